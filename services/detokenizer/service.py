@@ -1,0 +1,33 @@
+"""The detokenizer behind the bus: one BatchTokenOut in, one BatchTextOut per gateway out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.detokenizer.detokenizer import Detokenizer
+from shared.messages import AbortReq, BatchTokenOut, Decoder, encode
+from shared.transport import Subjects, Subscription, Transport
+
+
+class DetokenizerService:
+    def __init__(self, tokenizer: Any, transport: Transport, subject_prefix: str, worker_id: str) -> None:
+        self.detok = Detokenizer(tokenizer)
+        self.transport = transport
+        self.subjects = Subjects(subject_prefix)
+        self.worker_id = worker_id
+        self._dec = Decoder(BatchTokenOut)
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.transport.subscribe(self.subjects.detok(self.worker_id), self._on_tokens)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_tokens(self, data: bytes) -> None:
+        outs, stopped = self.detok.step(self._dec(data))
+        for subject, batch in outs.items():
+            await self.transport.publish(subject, encode(batch))
+        for rid, finish in stopped:
+            await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=[rid], finish=finish)))

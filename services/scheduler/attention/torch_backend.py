@@ -1,0 +1,92 @@
+"""Reference attention backend on torch's scaled_dot_product_attention (CPU and GPU; used by CI).
+
+Decodes (one new token each) are gathered into one padded batch: a single SDPA call with a key mask.
+Extends (several new tokens) run one SDPA call each, causal with an offset for their cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.scheduler.attention.base import AttentionBackend
+from services.scheduler.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Extend:
+    start: int  # first token of this request in the flat batch
+    length: int
+    kv_idx: torch.Tensor  # [S] slots of the whole sequence
+    mask: torch.Tensor | None  # [length, S] bool; None: plain causal (no cached prefix)
+
+
+@dataclass
+class _Meta:
+    dec_tok: torch.Tensor | None  # [Bd] token index of each decode in the flat batch
+    dec_idx: torch.Tensor | None  # [Bd, L] slots, padded with slot 0
+    dec_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool, None when all sequences have the same length
+    dec_is_all: bool  # every token of the batch is a decode, in order
+    extends: list[_Extend]
+
+
+class TorchAttention(AttentionBackend):
+    def prepare(self, fb: ForwardBatch) -> None:
+        table = self.req_to_token.table
+        device = table.device
+        starts, dec, extends = 0, [], []
+        seq_lens = fb.seq_lens
+        for i, (ext, prefix) in enumerate(zip(fb.extend_lens, fb.prefix_lens, strict=True)):
+            if ext == 1:
+                dec.append((starts, i))
+            elif ext > 1:
+                seq = prefix + ext
+                idx = table[fb.rows[i], :seq]
+                mask = None
+                if prefix:
+                    q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
+                    mask = torch.arange(seq, device=device).unsqueeze(0) <= q_pos
+                extends.append(_Extend(starts, ext, idx, mask))
+            starts += ext
+        dec_tok = dec_idx = dec_mask = None
+        if dec:
+            tok = [t for t, _ in dec]
+            reqs = torch.tensor([i for _, i in dec], device=device)
+            lens = torch.tensor([seq_lens[i] for _, i in dec], device=device)
+            max_len = int(lens.max())
+            valid = torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1)
+            dec_idx = table[fb.rows[reqs], :max_len].masked_fill(~valid, 0)
+            if int(lens.min()) != max_len:
+                dec_mask = valid[:, None, None, :]
+            dec_tok = torch.tensor(tok, device=device)
+        fb.attn = _Meta(dec_tok, dec_idx, dec_mask, len(dec) == len(fb.extend_lens) and not extends, extends)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        meta: _Meta = fb.attn
+        k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
+        k_pool[fb.out_cache_loc] = k
+        v_pool[fb.out_cache_loc] = v
+        out = q if meta.dec_is_all else torch.empty_like(q)
+        if meta.dec_idx is not None:
+            qd = q if meta.dec_is_all else q[meta.dec_tok]
+            kd = k_pool[meta.dec_idx].transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = v_pool[meta.dec_idx].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qd.unsqueeze(2), kd, vd, attn_mask=meta.dec_mask, scale=self.scale, enable_gqa=True
+            ).squeeze(2)
+            if meta.dec_is_all:
+                return o
+            out[meta.dec_tok] = o
+        for e in meta.extends:
+            qe = q[e.start : e.start + e.length].transpose(0, 1)  # [H, n, D]
+            ke = k_pool[e.kv_idx].transpose(0, 1)  # [Hkv, S, D]
+            ve = v_pool[e.kv_idx].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None, scale=self.scale, enable_gqa=True
+            )
+            out[e.start : e.start + e.length] = o.transpose(0, 1)
+        return out

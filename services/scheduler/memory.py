@@ -1,0 +1,69 @@
+"""KV memory: a token-level pool of KV slots and the request -> token table.
+
+    KVPool.k[layer], .v[layer]   [num_slots + 1, kv_heads, head_dim]; slot 0 is padding, never handed out
+    KVPool free list             int64 tensor of free slot indices; alloc takes from the front
+    ReqToTokenPool.table         [rows, context_len] int64; row r holds the slot of every token of the
+                                 request that owns row r (prefix from the radix cache, then its own)
+
+A slot is always in exactly one place: the free list, the radix cache, or a running request's own
+range (num_cached:num_computed of its row). `Scheduler.check_integrity` adds the three up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model_config import ModelConfig
+
+
+class KVPool:
+    def __init__(
+        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"KV pool needs at least one slot, got {num_slots}")
+        self.size = num_slots
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_slots + 1, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+    @property
+    def free_count(self) -> int:
+        return self._free.numel()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots, or None when fewer are free (the caller evicts or retracts, then retries)."""
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat((self._free, slots.to(self.device, torch.int64)))
+
+    def free_slots(self) -> torch.Tensor:
+        return self._free
+
+
+class ReqToTokenPool:
+    """Rows of slot indices, one row per running request."""
+
+    def __init__(self, rows: int, context_len: int, device: torch.device | str) -> None:
+        self.table = torch.zeros((rows, context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)

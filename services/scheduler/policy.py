@@ -1,0 +1,86 @@
+"""Which waiting requests to admit first (SGLang paper §3, cache-aware scheduling).
+
+- `lpm`: longest cached prefix first. Past `LPM_MAX_WAITING` waiting requests matching them all costs
+  more than it saves, so it falls back to arrival order (as SGLang does).
+- `dfs-weight`: each radix node weighs as many waiting requests as end below it; requests come out in
+  DFS order, heavier subtrees first, which is the order that maximises hits (Theorem 3.1).
+- `fcfs`: arrival order.
+Requests that waited longer than `max_wait` seconds go first whatever the policy, so a greedy
+policy cannot starve them.
+
+`InBatchPrefixCheck` holds back a request whose prompt shares a long uncached prefix with one admitted
+earlier in the same step: that one computes the prefix, the held-back one hits it a step later.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.scheduler.radix_cache import RadixCache, TreeNode
+from services.scheduler.request import Req
+
+LPM_MAX_WAITING = 128
+IN_BATCH_CHECK_MAX_CACHED = 32  # only requests with little cached prefix are checked
+IN_BATCH_HOLD_THRESHOLD = 32  # shared uncached tokens that make a request wait for the other
+
+
+def match_key(req: Req) -> list[int]:
+    """The prefix that can come from the cache: all but the last token, which must be computed to
+    produce logits."""
+    return req.fill[: req.fill_len - 1]
+
+
+def order_waiting(waiting: list[Req], tree: RadixCache, policy: str, max_wait: float) -> list[Req]:
+    now = time.monotonic()
+    starved = [r for r in waiting if now - r.arrival > max_wait]
+    rest = [r for r in waiting if now - r.arrival <= max_wait] if starved else waiting
+    if policy == "fcfs" or tree.disable or (policy == "lpm" and len(waiting) > LPM_MAX_WAITING):
+        ordered = rest
+    elif policy == "lpm":
+        lengths = {id(r): len(tree.match_prefix(match_key(r)).indices) for r in rest}
+        ordered = sorted(rest, key=lambda r: -lengths[id(r)])  # stable: ties keep arrival order
+    elif policy == "dfs-weight":
+        ordered = _dfs_weight(rest, tree)
+    else:
+        raise ValueError(f"unknown schedule policy {policy!r}")
+    return starved + ordered
+
+
+def _dfs_weight(reqs: list[Req], tree: RadixCache) -> list[Req]:
+    at_node: dict[int, list[Req]] = {}
+    nodes: dict[int, TreeNode] = {}
+    for r in reqs:
+        node = tree.match_prefix(match_key(r)).last_node
+        at_node.setdefault(id(node), []).append(r)
+        nodes[id(node)] = node
+    weight: dict[int, int] = {}
+    for key, rs in at_node.items():
+        node: TreeNode | None = nodes[key]
+        while node is not None:
+            weight[id(node)] = weight.get(id(node), 0) + len(rs)
+            node = node.parent
+    out: list[Req] = []
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        out.extend(at_node.get(id(node), []))
+        children = [c for c in node.children.values() if id(c) in weight]
+        children.sort(key=lambda c: weight[id(c)])  # lightest pushed first, so heaviest pops first
+        stack.extend(children)
+    return out
+
+
+class InBatchPrefixCheck:
+    def __init__(self) -> None:
+        self._seen = RadixCache(free_slots=lambda _: None)
+
+    def hold_back(self, req: Req, cached_len: int) -> bool:
+        if cached_len > IN_BATCH_CHECK_MAX_CACHED:
+            return False
+        key = match_key(req)
+        if len(self._seen.match_prefix(key).indices) > IN_BATCH_HOLD_THRESHOLD:
+            return True
+        self._seen.insert(key, torch.zeros(len(key), dtype=torch.int64))
+        return False

@@ -1,0 +1,100 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, and seeded reproducible draws.
+
+Per-request parameters live in tensors built once per batch composition (`SamplingInfo.build`);
+a step is tensor ops only. Sorting the vocabulary happens only when some row filters by top-k/p or
+min-p. Rows with a `sampling_seed` draw with Gumbel noise hashed from (seed, output position, token),
+so the same seed gives the same tokens whatever batch the request lands in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+_MASK53 = (1 << 53) - 1
+
+
+@dataclass
+class SamplingInfo:
+    temperatures: torch.Tensor  # [B, 1] float32 (1.0 for greedy rows, unused there)
+    top_ks: torch.Tensor  # [B, 1] int64, vocab size when unset
+    top_ps: torch.Tensor  # [B, 1]
+    min_ps: torch.Tensor  # [B, 1]
+    greedy: torch.Tensor  # [B] bool
+    seeds: torch.Tensor  # [B, 1] int64
+    seeded: torch.Tensor  # [B] bool
+    all_greedy: bool
+    need_sort: bool
+    need_min_p: bool
+    any_seeded: bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SamplingInfo:
+        greedy = [p.is_greedy for p in params]
+        top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        seeded = [p.sampling_seed is not None and not g for p, g in zip(params, greedy, strict=True)]
+
+        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+        return cls(
+            temperatures=col(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
+            ),
+            top_ks=col(top_ks, torch.int64),
+            top_ps=col([p.top_p for p in params], torch.float32),
+            min_ps=col([p.min_p for p in params], torch.float32),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=col([p.sampling_seed or 0 for p in params], torch.int64),
+            seeded=torch.tensor(seeded, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            need_sort=any(
+                not g and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0)
+                for p, g, k in zip(params, greedy, top_ks, strict=True)
+            ),
+            need_min_p=any(p.min_p > 0 and not g for p, g in zip(params, greedy, strict=True)),
+            any_seeded=any(seeded),
+        )
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B]. `positions` [B, 1] int64: each row's output index, which
+    keys the seeded noise."""
+    greedy_ids = logits.argmax(dim=-1)
+    if info.all_greedy:
+        return greedy_ids
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    if info.need_sort:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_probs.cumsum(dim=-1)
+        ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+        drop = ((cum - sorted_probs) > info.top_ps) | (ranks >= info.top_ks)
+        if info.need_min_p:
+            drop |= sorted_probs < sorted_probs[:, :1] * info.min_ps
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    sampled = torch.multinomial(probs, 1).squeeze(1)
+    if info.any_seeded:
+        noise = _hashed_exponential(info.seeds, positions, probs.shape[-1])
+        # argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p (the "exponential race")
+        seeded_ids = (probs / noise).argmax(dim=-1)
+        sampled = torch.where(info.seeded, seeded_ids, sampled)
+    return torch.where(info.greedy, greedy_ids, sampled)
+
+
+def _hashed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] that depends only on (seed, position, token id): a splitmix64-style hash."""
+    tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device).unsqueeze(0)
+    x = seeds * -7046029254386353131 + positions * -4658895280553007687 + tokens  # wraps mod 2^64
+    x = (x ^ (x >> 30)) * -4658895280553007687
+    x = (x ^ (x >> 27)) * -7723592293110705685
+    x = x ^ (x >> 31)
+    u = ((x & _MASK53).double() + 0.5) / float(1 << 53)  # uniform in (0, 1)
+    return (-torch.log(u)).float()
+
+
+__all__ = ["GREEDY_TEMPERATURE", "SamplingInfo", "sample"]

@@ -1,0 +1,335 @@
+"""The scheduler loop: admit -> pick the batch -> run -> process results. Synchronous; the service
+around it does the bus I/O.
+
+One step = every running request computes what it still lacks (decodes: one token; chunked prefills:
+the next chunk) plus newly admitted requests, within `chunked_prefill_size` prefill tokens, all in one
+mixed forward. When the KV pool runs short: evict unlocked cache leaves (LRU); if still short, retract
+the most recently admitted request (its KV goes to the cache unlocked, it rejoins the queue and resumes
+from its cached prefix later).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
+from services.scheduler.radix_cache import RadixCache
+from services.scheduler.request import Req
+from services.scheduler.sampling.sampler import SamplingInfo
+from shared.config import EngineConfig
+from shared.messages import BatchTokenOut, GenerateReq, NewReqInfo
+
+# after a retraction reserve this share of running requests' output budgets, decaying back per step
+_RETRACT_RATIO = 1.0
+_RATIO_DECAY = 0.002
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        self.cfg, self.runner = config, runner
+        self.kv, self.req_to_token = runner.kv, runner.req_to_token
+        self.tree = RadixCache(self.kv.free, disable=config.disable_radix_cache)
+        self.context_len = runner.context_len
+        self.max_running = runner.max_running_requests
+        self.eos_ids = runner.model_config.eos_token_ids
+        self.vocab_size = runner.model_config.vocab_size
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.ratio = config.new_token_ratio
+        self._out = BatchTokenOut()
+        self._sampling: tuple[tuple[str, ...], SamplingInfo] | None = None
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
+                      "forward_s": 0.0, "step_s": 0.0, "retractions": 0}  # fmt: skip
+
+    # -- inputs -------------------------------------------------------------------------------
+    def add_request(self, msg: GenerateReq) -> None:
+        req = Req(msg, self.eos_ids)
+        n = len(msg.input_ids)
+        if n == 0:
+            self._finish_now(req, "the prompt is empty")
+        elif n >= self.context_len:
+            self._finish_now(req, f"the prompt has {n} tokens; the context length is {self.context_len}")
+        elif n + 1 > self.kv.size:
+            self._finish_now(req, f"the prompt needs {n + 1} KV slots; the pool has {self.kv.size}")
+        else:
+            self.waiting.append(req)
+
+    def abort(self, rids: Iterable[str], finish: dict[str, Any] | None = None) -> None:
+        """Abort requests (finish=None) or finish them with a reason found elsewhere (a stop string the
+        detokenizer matched: it already told its client, so nothing more is sent)."""
+        wanted = set(rids)
+        for req in [r for r in self.waiting if r.rid in wanted]:
+            self.waiting.remove(req)
+            if finish is None:
+                self._finish_now(req, "aborted")
+        for req in self.running:
+            if req.rid in wanted and req.finish is None:
+                req.finish = finish or {"type": "abort", "message": "aborted"}
+
+    def _finish_now(self, req: Req, message: str) -> None:
+        req.finish = {"type": "abort", "message": message}
+        self._emit(req, [])
+
+    # -- the loop -----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> BatchTokenOut | None:
+        """Run one step; returns this step's output for the detokenizer, or None if nothing happened."""
+        t0 = time.perf_counter()
+        self._release_finished()
+        batch = self._schedule()
+        if batch:
+            fb, samplers = self._forward_batch(batch)
+            t1 = time.perf_counter()
+            logits = self.runner.forward(fb)
+            tokens = self._sample(logits, samplers) if samplers else []
+            self.stats["forward_s"] += time.perf_counter() - t1
+            self._process(batch, samplers, tokens)
+            self.stats["steps"] += 1
+        self._release_finished()
+        self.stats["step_s"] += time.perf_counter() - t0
+        out, self._out = self._out, BatchTokenOut()
+        return out if out.rids else None
+
+    def _schedule(self) -> list[Req]:
+        budget = self.cfg.chunked_prefill_size
+        # running requests first: decodes cost one slot each, chunked prefills take from the budget
+        while True:
+            need, b = 0, budget
+            for r in self.running:
+                n = 1 if r.remaining == 1 else min(r.remaining, b)
+                b -= n if r.remaining > 1 else 0
+                need += n
+            if need <= self.kv.free_count + self.tree.evictable_size() or len(self.running) <= 1:
+                break
+            self._retract(self.running[-1])
+        batch: list[Req] = []
+        for r in self.running:
+            n = 1 if r.remaining == 1 else min(r.remaining, budget)
+            if r.remaining > 1:
+                budget -= n
+            if n and self._extend(r, n):
+                batch.append(r)
+            elif n:  # a lone request that outgrew the whole pool
+                r.finish = {"type": "abort", "message": f"KV pool ({self.kv.size} tokens) exhausted"}
+        self.ratio = max(self.cfg.new_token_ratio, self.ratio - _RATIO_DECAY)
+        if self.waiting and budget > 0:
+            batch += self._admit(budget)
+        return batch
+
+    def _admit(self, budget: int) -> list[Req]:
+        admitted: list[Req] = []
+        reserve = sum(self._reserve(r) for r in self.running)
+        check = InBatchPrefixCheck()
+        for req in order_waiting(self.waiting, self.tree, self.cfg.schedule_policy, self.cfg.max_queue_wait):
+            if budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_count == 0:
+                break
+            match = self.tree.match_prefix(match_key(req))
+            cached = len(match.indices)
+            if check.hold_back(req, cached):
+                continue
+            self.tree.inc_lock_ref(match.last_node)
+            n = min(req.fill_len - cached, budget)
+            available = self.kv.free_count + self.tree.evictable_size()
+            if not self.running:  # alone it may take the whole pool, chunk by chunk
+                n = min(n, available)
+            if n <= 0 or (self.running and n + reserve + self._reserve(req) > available):
+                self.tree.dec_lock_ref(match.last_node)
+                break
+            req.row = self.req_to_token.alloc()
+            self.req_to_token.table[req.row, :cached] = match.indices
+            req.last_node, req.num_cached, req.num_computed = match.last_node, cached, cached
+            if req.cached_tokens is None:
+                req.cached_tokens = min(cached, len(req.prompt))
+                self.stats["prompt_tokens"] += len(req.prompt)
+                self.stats["cached_tokens"] += req.cached_tokens
+            ok = self._extend(req, n)
+            assert ok, "admission checked the pool"
+            self.running.append(req)
+            admitted.append(req)
+            budget -= n
+            reserve += self._reserve(req)
+        if admitted:
+            wanted = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in wanted]
+        return admitted
+
+    def _reserve(self, req: Req) -> int:
+        return math.ceil(self.ratio * max(req.remaining_output, 0))
+
+    def _extend(self, req: Req, n: int) -> bool:
+        """Give `req` KV slots for its next n tokens, evicting cache leaves if needed."""
+        slots = self.kv.alloc(n)
+        if slots is None:
+            self.tree.evict(n - self.kv.free_count)
+            slots = self.kv.alloc(n)
+            if slots is None:
+                req.extend_len = 0
+                return False
+        self.req_to_token.table[req.row, req.num_computed : req.num_computed + n] = slots
+        req.extend_len = n
+        return True
+
+    def _retract(self, req: Req) -> None:
+        self._cache(req, finished=True)
+        req.num_cached = req.num_computed = 0
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.ratio = _RETRACT_RATIO
+        self.stats["retractions"] += 1
+
+    # -- forward ------------------------------------------------------------------------------
+    def _forward_batch(self, batch: list[Req]) -> tuple[ForwardBatch, list[Req]]:
+        ids: list[int] = []
+        samplers: list[Req] = []
+        logits_idx: list[int] = []
+        start = 0
+        for r in batch:
+            c, n = r.num_computed, r.extend_len
+            if n == 1:
+                ids.append(r.prompt[c] if c < len(r.prompt) else r.output[c - len(r.prompt)])
+            else:
+                ids.extend(r.fill[c : c + n])
+            start += n
+            if c + n == r.fill_len and r.remaining_output > 0:
+                samplers.append(r)
+                logits_idx.append(start - 1)
+        dev = self.runner.device
+        ext = torch.tensor([r.extend_len for r in batch])
+        pre = torch.tensor([r.num_computed for r in batch])
+        rows = torch.tensor([r.row for r in batch])
+        firsts = torch.cumsum(ext, 0) - ext
+        positions = torch.arange(start) - torch.repeat_interleave(firsts - pre, ext)
+        loc = self.req_to_token.table[torch.repeat_interleave(rows.to(dev), ext.to(dev)), positions.to(dev)]
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=positions.to(dev),
+            out_cache_loc=loc,
+            rows=rows.to(dev),
+            prefix_lens=pre.tolist(),
+            extend_lens=ext.tolist(),
+            logits_idx=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+        )
+        return fb, samplers
+
+    def _sample(self, logits: torch.Tensor, samplers: list[Req]) -> list[int]:
+        key = tuple(r.rid for r in samplers)
+        if self._sampling is None or self._sampling[0] != key:  # rebuilt only when the batch changes
+            info = SamplingInfo.build([r.sampling for r in samplers], self.vocab_size, logits.device)
+            self._sampling = (key, info)
+        return self.runner.sample(logits, self._sampling[1], [len(r.output) for r in samplers])
+
+    def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int]) -> None:
+        prefilled = [r for r in batch if r.extend_len > 1]
+        for r in batch:
+            r.num_computed += r.extend_len
+            r.extend_len = 0
+        for r, tok in zip(samplers, tokens, strict=True):
+            r.output.append(tok)
+            r.check_finished(tok, self.context_len)
+            self._emit(r, [tok])
+        self.stats["generated_tokens"] += len(tokens)
+        for r in batch:
+            if r.finish is None and r.remaining == 0 and r.remaining_output <= 0:  # max_new_tokens == 0
+                r.finish = {"type": "length", "length": len(r.output)}
+                self._emit(r, [])
+        for r in prefilled:
+            if r.finish is None:
+                self._cache(r, finished=False)  # share the prefix with requests that arrive meanwhile
+
+    def _release_finished(self) -> None:
+        if any(r.finish for r in self.running):
+            for r in [r for r in self.running if r.finish]:
+                if r.finish.get("type") == "abort":
+                    self._emit(r, [])
+                self._cache(r, finished=True)
+                self.running.remove(r)
+
+    # -- cache bookkeeping --------------------------------------------------------------------
+    def _cache(self, req: Req, finished: bool) -> None:
+        """Hand the request's computed KV to the radix cache. Unfinished: keep it locked and point the
+        request at the cached copy. Finished: unlock and give back the row."""
+        n, row = req.num_computed, req.row
+        slots = self.req_to_token.table[row, :n].clone()
+        if self.tree.disable:
+            if finished:
+                self.kv.free(slots[req.num_cached :])
+        else:
+            key = req.fill[:n]
+            prefix = self.tree.insert(key, slots)
+            self.kv.free(slots[req.num_cached : prefix])  # our duplicates of what another request cached
+            if not finished:
+                match = self.tree.match_prefix(key)
+                self.req_to_token.table[row, :n] = match.indices
+                self.tree.inc_lock_ref(match.last_node)
+                self.tree.dec_lock_ref(req.last_node)
+                req.last_node, req.num_cached = match.last_node, n
+        if finished:
+            self.tree.dec_lock_ref(req.last_node)
+            self.req_to_token.free(row)
+            req.row, req.last_node = None, None
+
+    # -- output -------------------------------------------------------------------------------
+    def _emit(self, req: Req, tokens: list[int]) -> None:
+        out = self._out
+        if not req.announced:
+            s = req.sampling
+            out.new_reqs.append(
+                NewReqInfo(
+                    rid=req.rid,
+                    out_subject=req.out_subject,
+                    prompt_tokens=len(req.prompt),
+                    stop=s.stop,
+                    skip_special_tokens=s.skip_special_tokens,
+                    spaces_between_special_tokens=s.spaces_between_special_tokens,
+                    no_stop_trim=s.no_stop_trim,
+                    created=req.created,
+                )  # fmt: skip
+            )
+            req.announced = True
+        out.rids.append(req.rid)
+        out.token_ids.append(tokens)
+        out.cached_tokens.append(req.cached_tokens or 0)
+        out.finish_reasons.append(req.finish)
+
+    def fail_running(self, message: str) -> BatchTokenOut | None:
+        """After a step raised: abort every running request with a reason and give back its KV, so
+        the server keeps serving. Slots taken for the failed step were never counted; free them."""
+        for r in self.running:
+            if r.extend_len:
+                c = r.num_computed
+                self.kv.free(self.req_to_token.table[r.row, c : c + r.extend_len].clone())
+                r.extend_len = 0
+            r.finish = r.finish or {"type": "abort", "message": message}
+        self._release_finished()
+        out, self._out = self._out, BatchTokenOut()
+        return out if out.rids else None
+
+    # -- maintenance --------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        if self.has_work:
+            return False
+        self.tree.reset()
+        return True
+
+    def check_integrity(self) -> None:
+        """free + cached + in use == pool size; raises AssertionError on a leak."""
+        in_use = sum(r.num_computed - r.num_cached for r in self.running)
+        free, cached = self.kv.free_count, self.tree.total_size()
+        if free + cached + in_use != self.kv.size:
+            raise AssertionError(
+                f"KV leak: free {free} + cached {cached} + in use {in_use} != pool {self.kv.size}"
+            )
+        if not self.running:
+            slots = torch.cat((self.kv.free_slots(), self.tree.all_slots()))
+            if slots.unique().numel() != self.kv.size:
+                raise AssertionError("KV slots duplicated between the free list and the cache")

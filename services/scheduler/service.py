@@ -1,0 +1,132 @@
+"""The scheduler behind the bus: requests and aborts arrive on asyncio handlers, the model steps in one
+dedicated thread (a forward never blocks the event loop), each step's output goes back as one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.scheduler import Scheduler
+from shared.config import EngineConfig
+from shared.messages import AbortReq, Decoder, GenerateReq, encode
+from shared.model_files import resolve_model_folder
+from shared.transport import Subjects, Subscription, Transport
+
+log = logging.getLogger(__name__)
+
+_IDLE_CHECK_S = 1.0  # how often an idle scheduler checks KV integrity
+
+
+class SchedulerService:
+    def __init__(self, config: EngineConfig, transport: Transport, runner: ModelRunner | None = None) -> None:
+        self.cfg, self.transport = config, transport
+        self.subjects = Subjects(config.subject_prefix)
+        self.runner = runner or ModelRunner(config, resolve_model_folder(config.model_path))
+        self.scheduler = Scheduler(config, self.runner)
+        self._inbox: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._subs: list[Subscription] = []
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.integrity_error: str | None = None
+        self._req_dec, self._abort_dec = Decoder(GenerateReq), Decoder(AbortReq)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        s = self.subjects
+        self._subs.append(await self.transport.subscribe(s.req, self._on_req, queue="schedulers"))
+        self._subs.append(await self.transport.subscribe(s.abort, self._on_abort))
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            await asyncio.to_thread(self._thread.join)
+
+    def call(self, fn: Callable[[Scheduler], Any]) -> asyncio.Future:
+        """Run fn(scheduler) on the scheduler thread between steps; await the result."""
+        assert self._loop is not None
+        fut: asyncio.Future = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.scheduler)
+            except Exception as e:  # handed to the awaiting caller
+                self._loop.call_soon_threadsafe(_set, fut, None, e)
+            else:
+                self._loop.call_soon_threadsafe(_set, fut, result, None)
+
+        self._put(run)
+        return fut
+
+    # -- bus handlers (event loop) ------------------------------------------------------------
+    async def _on_req(self, data: bytes) -> None:
+        msg = self._req_dec(data)
+        self._put(lambda: self.scheduler.add_request(msg))
+
+    async def _on_abort(self, data: bytes) -> None:
+        msg = self._abort_dec(data)
+        self._put(lambda: self.scheduler.abort(msg.rids, msg.finish))
+
+    def _put(self, fn: Callable[[], Any]) -> None:
+        self._inbox.put(fn)
+        self._wake.set()
+
+    # -- the scheduler thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        sched = self.scheduler
+        detok = self.subjects.detok(self.cfg.worker_id)
+        while not self._stop.is_set():
+            self._drain()
+            if not sched.has_work:
+                self._idle_check()
+                self._wake.wait(_IDLE_CHECK_S)
+                self._wake.clear()
+                continue
+            try:
+                out = sched.step()
+            except Exception:
+                log.exception("scheduler step failed; aborting the running batch")
+                out = sched.fail_running("internal error in the scheduler step")
+            if out is not None:
+                data = encode(out)
+                asyncio.run_coroutine_threadsafe(self.transport.publish(detok, data), self._loop)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except Exception:
+                log.exception("scheduler inbox handler failed")
+
+    def _idle_check(self) -> None:
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError as e:
+            if self.integrity_error is None:
+                log.error("%s", e)
+            self.integrity_error = str(e)
+
+
+def _set(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,151 @@
+"""`sglbus.Engine`: the offline engine. The same gateway, scheduler and detokenizer code as the served
+system, wired through the in-process transport on a private event loop thread.
+
+    with sglbus.Engine() as engine:
+        engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 16})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+from services.detokenizer.service import DetokenizerService
+from services.gateway.request_manager import RequestManager
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.service import SchedulerService
+from shared.config import EngineConfig
+from shared.model_files import resolve_model_folder
+from shared.tokenizer import load_tokenizer
+from shared.transport import InProcessTransport
+
+log = logging.getLogger(__name__)
+_END = object()
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_env(model_path=model_path, **options)
+        self.model_folder = resolve_model_folder(self.config.model_path)
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path or self.model_folder)
+        runner = ModelRunner(self.config, self.model_folder)
+        self.model_config = runner.model_config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglbus-engine", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+        async def start() -> None:
+            cfg = self.config
+            self.transport = InProcessTransport()
+            self.scheduler_service = SchedulerService(cfg, self.transport, runner)
+            self.detokenizer = DetokenizerService(
+                self.tokenizer, self.transport, cfg.subject_prefix, cfg.worker_id
+            )
+            self.requests = RequestManager(
+                self.tokenizer, self.transport, cfg.subject_prefix, runner.model_config.vocab_size
+            )
+            await self.scheduler_service.start()
+            await self.detokenizer.start()
+            await self.requests.start()
+
+        self._run(start())
+
+    # -- public API ---------------------------------------------------------------------------
+    def generate(
+        self,
+        text: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """SGLang's `/generate` response: a dict, a list of dicts for batch input, or with stream=True
+        an iterator of chunks (cumulative text; batch chunks carry `index`)."""
+        obj = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
+        if stream:
+            return self._stream(obj)
+        return self._run(self.requests.generate(obj))
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing done) while requests run."""
+        return self._on_scheduler(Scheduler.flush_cache)
+
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler counters (prompt/cached/generated tokens, steps, time in forward) and pool sizes."""
+
+        def read(s: Scheduler) -> dict[str, Any]:
+            return {
+                **s.stats,
+                "max_total_tokens": s.kv.size,
+                "free_tokens": s.kv.free_count,
+                "cached_tokens_in_tree": s.tree.total_size(),
+                "running": len(s.running),
+                "waiting": len(s.waiting),
+            }
+
+        return self._on_scheduler(read)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any KV slot leaked (free + cached + in use != pool)."""
+        self._on_scheduler(Scheduler.check_integrity)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop() -> None:
+            await self.requests.stop()
+            await self.detokenizer.stop()
+            await self.scheduler_service.stop()
+            await self.transport.close()
+
+        self._run(stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _on_scheduler(self, fn: Callable[[Scheduler], Any]) -> Any:
+        """Run fn(scheduler) on the scheduler thread between two steps."""
+
+        async def call() -> Any:
+            return await self.scheduler_service.call(fn)
+
+        return self._run(call())
+
+    def _stream(self, obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        chunks: queue.Queue[Any] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self.requests.generate_stream(obj):
+                    chunks.put(chunk)
+            except Exception as e:  # raised in the caller's thread
+                chunks.put(e)
+            finally:
+                chunks.put(_END)
+
+        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := chunks.get()) is not _END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            task.cancel()

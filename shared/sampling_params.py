@@ -1,0 +1,121 @@
+"""SGLang's sampling parameters: names, defaults and valid ranges, as one typed struct.
+
+`SamplingParams.from_dict` turns a client's dict into the struct (`null` means the default) and
+`verify` checks ranges; both raise `ValueError` with a message naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+# Below this temperature sampling is greedy (SGLang's rule).
+GREEDY_TEMPERATURE = 1e-6
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    stop_regex: list[str] = []
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None
+    stream_interval: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(cls.__struct_fields__))
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
+                f"allowed: {', '.join(cls.__struct_fields__)}"
+            )
+        clean = {k: v for k, v in d.items() if v is not None}
+        for key in ("stop", "stop_regex"):
+            if isinstance(clean.get(key), str):
+                clean[key] = [clean[key]]
+        if isinstance(clean.get("stop_token_ids"), int):
+            clean["stop_token_ids"] = [clean["stop_token_ids"]]
+        try:
+            return msgspec.convert(clean, cls, strict=False)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"sampling_params: {e}") from None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def verify(self, vocab_size: int) -> None:
+        """Check every range SGLang checks; raise ValueError naming the field and the allowed values."""
+
+        def bad(field: str, allowed: str) -> None:
+            raise ValueError(
+                f"sampling_params.{field} = {getattr(self, field)!r} is invalid; allowed: {allowed}"
+            )
+
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "a finite number >= 0 (0 means greedy)")
+        if not (0 < self.top_p <= 1):
+            bad("top_p", "0 < top_p <= 1")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("top_k", "-1 (all tokens) or an integer >= 1")
+        if not (0 <= self.min_p <= 1):
+            bad("min_p", "0 <= min_p <= 1")
+        if not (-2 <= self.frequency_penalty <= 2):
+            bad("frequency_penalty", "-2 <= frequency_penalty <= 2")
+        if not (-2 <= self.presence_penalty <= 2):
+            bad("presence_penalty", "-2 <= presence_penalty <= 2")
+        if not (0 < self.repetition_penalty <= 2):
+            bad("repetition_penalty", "0 < repetition_penalty <= 2")
+        if self.max_new_tokens < 0:
+            bad("max_new_tokens", "an integer >= 0")
+        if not (0 <= self.min_new_tokens <= self.max_new_tokens):
+            bad("min_new_tokens", f"0 <= min_new_tokens <= max_new_tokens ({self.max_new_tokens})")
+        if self.n < 1:
+            bad("n", "an integer >= 1")
+        for t in self.stop_token_ids:
+            if not (0 <= t < vocab_size):
+                bad("stop_token_ids", f"token ids in [0, {vocab_size})")
+        if any(not s for s in self.stop):
+            bad("stop", "non-empty strings")
+        if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
+            raise ValueError("sampling_params: only one of regex, json_schema, ebnf may be set")
+
+    def unsupported(self) -> list[str]:
+        """Parameters set to a non-default value that the engine cannot honour yet."""
+        todo = {
+            "min_new_tokens": 0,
+            "stop_regex": [],
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "regex": None,
+            "json_schema": None,
+            "ebnf": None,
+            "n": 1,
+            "logit_bias": None,
+        }
+        return [k for k, default in todo.items() if getattr(self, k) != default]
