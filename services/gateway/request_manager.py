@@ -111,6 +111,11 @@ class RequestManager:
         for p in req.prompts:
             ids = self._tokenize(p)
             p.sampling.verify(self.vocab_size)
+            todo = p.sampling.unsupported()
+            if todo:
+                raise ValueError(
+                    f"sampling parameter(s) {', '.join(todo)} cannot be honoured yet; leave them unset"
+                )
             if p.rid in self._states:
                 raise ValueError(f"rid {p.rid!r} is already in use")
             states.append(_State(p.rid, len(ids), time.time()))

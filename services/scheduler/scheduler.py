@@ -97,6 +97,10 @@ class Scheduler:
             self.stats["steps"] += 1
         self._release_finished()
         self.stats["step_s"] += time.perf_counter() - t0
+        return self.take_output()
+
+    def take_output(self) -> BatchTokenOut | None:
+        """What was produced since the last call (steps, and requests rejected on arrival)."""
         out, self._out = self._out, BatchTokenOut()
         return out if out.rids else None
 
@@ -311,8 +315,7 @@ class Scheduler:
                 r.extend_len = 0
             r.finish = r.finish or {"type": "abort", "message": message}
         self._release_finished()
-        out, self._out = self._out, BatchTokenOut()
-        return out if out.rids else None
+        return self.take_output()
 
     # -- maintenance --------------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -89,19 +89,21 @@ class SchedulerService:
         detok = self.subjects.detok(self.cfg.worker_id)
         while not self._stop.is_set():
             self._drain()
-            if not sched.has_work:
-                self._idle_check()
-                self._wake.wait(_IDLE_CHECK_S)
-                self._wake.clear()
-                continue
-            try:
-                out = sched.step()
-            except Exception:
-                log.exception("scheduler step failed; aborting the running batch")
-                out = sched.fail_running("internal error in the scheduler step")
+            if sched.has_work:
+                try:
+                    out = sched.step()
+                except Exception:
+                    log.exception("scheduler step failed; aborting the running batch")
+                    out = sched.fail_running("internal error in the scheduler step")
+            else:
+                out = sched.take_output()  # requests rejected on arrival
             if out is not None:
                 data = encode(out)
                 asyncio.run_coroutine_threadsafe(self.transport.publish(detok, data), self._loop)
+            elif not sched.has_work:
+                self._idle_check()
+                self._wake.wait(_IDLE_CHECK_S)
+                self._wake.clear()
 
     def _drain(self) -> None:
         while True:

@@ -1,0 +1,197 @@
+"""Offline throughput benchmark (SGLang's bench_offline_throughput): the whole workload is submitted to
+`sglbus.Engine.generate` at once and continuously batched; optionally the same workload runs through
+HF transformers (`--compare-hf`) and/or the engine without its radix cache (`--compare-no-cache`).
+
+    python -m benchmarks.offline --dataset-name shared-prefix --compare-hf --compare-no-cache
+    sglbus bench offline --dataset-name random --random-input 256 --random-output 32 --compare-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+import torch
+
+import sglbus
+from benchmarks.hf_baseline import run_hf
+from benchmarks.workloads import Workload, add_workload_args, build_workload, optimal_hit_rate
+from services.scheduler.model_runner import resolve_device
+
+
+@dataclass
+class RunResult:
+    backend: str
+    requests: int
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    cache_hit_rate: float | None = None
+    optimal_hit_rate: float | None = None
+    overhead_pct: float | None = None
+    steps: int | None = None
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.duration_s
+
+
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description="Offline throughput benchmark for sglbus.Engine")
+    add_workload_args(p)
+    e = p.add_argument_group("engine")
+    e.add_argument("--model-path", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    e.add_argument("--schedule-policy", default="lpm", choices=("lpm", "dfs-weight", "fcfs"))
+    e.add_argument("--chunked-prefill-size", type=int, default=2048)
+    e.add_argument("--max-running-requests", type=int, default=None)
+    e.add_argument("--disable-radix-cache", action="store_true")
+    c = p.add_argument_group("comparisons and output")
+    c.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the workload")
+    c.add_argument("--hf-batch-size", type=int, default=16)
+    c.add_argument("--compare-no-cache", action="store_true", help="also run the engine without radix cache")
+    c.add_argument("--output-file", default=None, help="append one JSONL row with all figures")
+    args = p.parse_args(argv)
+    if args.disable_radix_cache and args.compare_no_cache:
+        p.error("--compare-no-cache compares against the radix cache; drop --disable-radix-cache")
+    return args
+
+
+def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[RunResult, dict[str, Any]]:
+    """One engine lifetime: build the workload, warm up, time the whole workload as one batch."""
+    opts: dict[str, Any] = {
+        "load_format": args.load_format,
+        "schedule_policy": args.schedule_policy,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "max_running_requests": args.max_running_requests,
+        "disable_radix_cache": disable_radix_cache,
+    }
+    with sglbus.Engine(args.model_path, **opts) as engine:
+        workload = build_workload(args, engine.model_config.vocab_size)
+        # warmup: first-forward allocations are not throughput; flush so it feeds no cache hits
+        warm = [ids[:16] for ids, _ in workload[:2]]
+        engine.generate(input_ids=warm, sampling_params={"temperature": 0, "max_new_tokens": 4})
+        engine.flush_cache()
+        before = engine.get_stats()
+        params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for _, n in workload]
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=[ids for ids, _ in workload], sampling_params=params)
+        duration = time.perf_counter() - t0
+        after = engine.get_stats()
+        eos = engine.tokenizer.eos_token_id
+        info = {
+            "workload": workload,
+            "model_folder": engine.model_folder,
+            "pad_id": engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else eos,
+            "device": resolve_device(engine.config.device),
+        }
+    d = {k: after[k] - before[k] for k in ("prompt_tokens", "cached_tokens", "steps", "forward_s", "step_s")}
+    out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    assert out_tokens == sum(n for _, n in workload), "the engine generated a different token count"
+    result = RunResult(
+        backend="sglbus" + (" (no radix cache)" if disable_radix_cache else ""),
+        requests=len(outs),
+        duration_s=duration,
+        input_tokens=sum(o["meta_info"]["prompt_tokens"] for o in outs),
+        output_tokens=out_tokens,
+        cache_hit_rate=d["cached_tokens"] / max(d["prompt_tokens"], 1),
+        optimal_hit_rate=optimal_hit_rate(workload),
+        # everything in a step outside forward+sampling: batch selection, radix match/insert/evict,
+        # KV slot bookkeeping, output messages. All scheduler overhead, so an upper bound on the radix part.
+        overhead_pct=100 * (d["step_s"] - d["forward_s"]) / max(d["step_s"], 1e-9),
+        steps=d["steps"],
+    )
+    return result, info
+
+
+def print_block(r: RunResult) -> None:
+    print("{s:=^50}".format(s=" Offline Throughput Benchmark Result "))
+    rows: list[tuple[str, Any]] = [
+        ("Backend:", r.backend),
+        ("Successful requests:", r.requests),
+        ("Benchmark duration (s):", f"{r.duration_s:.2f}"),
+        ("Total input tokens:", r.input_tokens),
+        ("Total generated tokens:", r.output_tokens),
+        ("Request throughput (req/s):", f"{r.requests / r.duration_s:.2f}"),
+        ("Input token throughput (tok/s):", f"{r.input_tokens / r.duration_s:.2f}"),
+        ("Output token throughput (tok/s):", f"{r.output_tokens / r.duration_s:.2f}"),
+        ("Total token throughput (tok/s):", f"{r.total_throughput:.2f}"),
+    ]
+    if r.cache_hit_rate is not None:
+        rows += [
+            ("Cache hit rate:", f"{100 * r.cache_hit_rate:.2f}%"),
+            ("Optimal cache hit rate:", f"{100 * (r.optimal_hit_rate or 0):.2f}%"),
+            ("Radix cache overhead (% of step time):", f"{r.overhead_pct:.2f}"),
+        ]
+    for label, value in rows:
+        print(f"{label:<40} {value:<10}")
+    print("=" * 50)
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    try:
+        rev = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+        commit = rev.stdout.strip() or None
+    except OSError:
+        commit = None
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "git": commit,
+    }
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
+    # the machine may be shared: a busy CPU at the start explains a slow run in the recorded row
+    load_at_start = os.getloadavg()[0]
+    main_run, info = run_engine(args, args.disable_radix_cache)
+    workload: Workload = info["workload"]
+    print_block(main_run)
+    results = [main_run]
+    ratios: dict[str, float] = {}
+    if args.compare_no_cache:
+        no_cache, _ = run_engine(args, disable_radix_cache=True)
+        print_block(no_cache)
+        ratios["sglbus / no-cache"] = main_run.total_throughput / no_cache.total_throughput
+        print(f"Throughput ratio radix / no-cache:  {ratios['sglbus / no-cache']:.2f}x")
+        results.append(no_cache)
+    if args.compare_hf:
+        hf = run_hf(info["model_folder"], workload, args.hf_batch_size, info["pad_id"], info["device"])
+        hf_run = RunResult("hf-transformers", len(workload), hf.duration_s, hf.input_tokens, hf.output_tokens)
+        print_block(hf_run)
+        print(f"HF batches: {hf.batches} of <= {args.hf_batch_size}; wasted tokens: {hf.wasted_tokens}")
+        ratios["sglbus / hf"] = main_run.total_throughput / hf_run.total_throughput
+        print(f"Throughput ratio sglbus / hf:  {ratios['sglbus / hf']:.2f}x")
+        results.append(hf_run)
+    if args.output_file:
+        row = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.orig_argv),
+            "args": vars(args),
+            "machine": {**machine_info(info["device"]), "loadavg_1m_at_start": load_at_start},
+            "results": [{**asdict(r), "total_throughput": r.total_throughput} for r in results],
+            "ratios": ratios,
+        }
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

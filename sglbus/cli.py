@@ -1,0 +1,50 @@
+"""The `sglbus` command: `sglbus bench offline [args]`.
+
+Each leaf subcommand owns its argument parser (so it also runs as `python -m <module>`); this file only
+routes to it. A leaf is declared without its own options and with add_help=False, so every argument
+after its name, `--help` included, is left unparsed here and forwarded to the leaf's `main(argv, prog)`.
+`serve` and `bench serving` / `bench one-batch` slot in as more entries of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+Leaf = Callable[[list[str], str], int]
+
+
+def _bench_offline(argv: list[str], prog: str) -> int:
+    # imported on use: `sglbus --help` must not pay for torch and transformers
+    from benchmarks.offline import main
+
+    return main(argv, prog)
+
+
+# (group, name) -> (help, entry point)
+_LEAVES: dict[tuple[str, str], tuple[str, Leaf]] = {
+    ("bench", "offline"): (
+        "offline throughput of sglbus.Engine (SGLang's bench_offline_throughput)",
+        _bench_offline,
+    ),
+}
+_GROUPS = {"bench": "benchmarks"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sglbus", description="sglbus: an LLM serving system")
+    groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    subparsers: dict[str, argparse._SubParsersAction] = {}
+    for group, help_text in _GROUPS.items():
+        gp = groups.add_parser(group, help=help_text, description=help_text)
+        subparsers[group] = gp.add_subparsers(dest="leaf", required=True, metavar="SUBCOMMAND")
+    for (group, name), (help_text, _) in _LEAVES.items():
+        subparsers[group].add_parser(name, help=help_text, add_help=False)
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    _, entry = _LEAVES[(args.group, args.leaf)]
+    return entry(rest, f"sglbus {args.group} {args.leaf}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Shared fixtures: the default model folder, the HF transformers reference, and engines that are
+checked for leaked KV slots when each test ends."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def model_folder() -> str:
+    from shared.model_files import resolve_model_folder
+
+    return resolve_model_folder(None)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own Llama on the same GGUF weights, fp32: the reference for parity tests."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_files import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None  # ignore_eos: keep generating after an EOS
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture
+def make_engine():
+    """make_engine(**options) -> Engine on the default model; integrity-checked and shut down after."""
+    from sglbus import Engine
+
+    engines = []
+
+    def make(**options):
+        engine = Engine(**options)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        try:
+            engine.check_integrity()
+        finally:
+            engine.shutdown()

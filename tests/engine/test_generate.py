@@ -1,0 +1,129 @@
+"""The offline Engine's `/generate` contract: stop conditions, sampling, streaming, errors, weights paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.model_files import write_dummy_folder
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from sglbus import Engine
+
+    e = Engine()
+    yield e
+    e.check_integrity()
+    e.shutdown()
+
+
+def test_stop_token_ids_and_eos(engine):
+    ref = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
+    stop_at = ref["output_ids"][5]
+    out = engine.generate(PROMPT, {**GREEDY, "stop_token_ids": [stop_at]})
+    first = ref["output_ids"].index(stop_at)
+    assert out["output_ids"] == ref["output_ids"][: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    # the chat model ends its answer with <|im_end|> (id 2) unless ignore_eos
+    chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    out = engine.generate(chat, {"temperature": 0, "max_new_tokens": 64})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert out["output_ids"][-1] == 2 and "<|im_end|>" not in out["text"]
+
+
+def test_stop_strings_trim_and_no_stop_trim(engine):
+    ref = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
+    text = ref["text"]
+    stop = text[8:11]
+    cut = text.index(stop)
+    out = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True, "stop": stop})
+    assert out["text"] == text[:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["meta_info"]["completion_tokens"] < 24
+    kept = engine.generate(
+        PROMPT, {**GREEDY, "ignore_eos": True, "stop": [stop, "zzz"], "no_stop_trim": True}
+    )
+    assert kept["text"] == text[: cut + len(stop)]
+
+
+def test_max_new_tokens_zero_and_length(engine):
+    out = engine.generate(PROMPT, {"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    out = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True})
+    assert len(out["output_ids"]) == 3
+
+
+def test_seeded_sampling_reproduces_and_differs_across_seeds(engine):
+    params = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 16, "ignore_eos": True}
+    a = engine.generate(PROMPT, {**params, "sampling_seed": 7})
+    b = engine.generate([PROMPT, "Hello"], {**params, "sampling_seed": 7})[0]  # other batch neighbours
+    c = engine.generate(PROMPT, {**params, "sampling_seed": 8})
+    assert a["output_ids"] == b["output_ids"]
+    assert a["output_ids"] != c["output_ids"]
+
+
+def test_streaming_is_cumulative_and_ends_with_the_full_response(engine):
+    full = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
+    chunks = list(engine.generate(PROMPT, {**GREEDY, "ignore_eos": True}, stream=True))
+    assert len(chunks) > 3
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_batch_stream_carries_index(engine):
+    chunks = list(engine.generate(["Hi", "Bye"], {"temperature": 0, "max_new_tokens": 4}, stream=True))
+    assert {c["index"] for c in chunks} == {0, 1}
+
+
+def test_rid_and_bad_input(engine):
+    out = engine.generate(PROMPT, {"max_new_tokens": 1}, rid="my-id")
+    assert out["meta_info"]["id"] == "my-id"
+    outs = engine.generate(["a", "b"], {"max_new_tokens": 1}, rid="batch")
+    assert [o["meta_info"]["id"] for o in outs] == ["batch_0", "batch_1"]
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(PROMPT, {"top_p": 1.5})
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        engine.generate(PROMPT, {"frequency_penalty": 0.5})
+    with pytest.raises(ValueError, match="bogus"):
+        engine.generate(PROMPT, {"bogus": 1})
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.generate(input_ids=[1, 2, 10**9])
+    with pytest.raises(ValueError, match="exactly one"):
+        engine.generate()
+
+
+def test_prompt_longer_than_context_is_aborted_with_a_reason(make_engine):
+    engine = make_engine(context_length=32)
+    out = engine.generate(input_ids=list(range(100, 140)), sampling_params={"max_new_tokens": 4})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "context length" in out["meta_info"]["finish_reason"]["message"]
+    # generation stops at the context length
+    out = engine.generate(
+        input_ids=list(range(100, 120)), sampling_params={"max_new_tokens": 50, "ignore_eos": True}
+    )
+    assert len(out["output_ids"]) == 12
+
+
+def test_tiny_random_safetensors_folder(tmp_path, model_folder, make_engine):
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "tie_word_embeddings": False, "eos_token_id": 2,
+    }  # fmt: skip
+    folder = write_dummy_folder(str(tmp_path / "tiny"), cfg, tokenizer_from=model_folder)
+    engine = make_engine(model_path=folder)
+    outs = engine.generate(
+        ["Hello there", "Another prompt"], {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    )
+    assert [len(o["output_ids"]) for o in outs] == [8, 8]
+    # dummy load of the same shape gives different (random) weights but the same contract
+    dummy = make_engine(model_path=folder, load_format="dummy")
+    assert len(dummy.generate("x", {"max_new_tokens": 3, "ignore_eos": True})["output_ids"]) == 3

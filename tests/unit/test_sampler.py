@@ -1,0 +1,68 @@
+"""The batched sampler against the distributions it must draw from (no model)."""
+
+from __future__ import annotations
+
+import torch
+
+from services.scheduler.sampling.sampler import SamplingInfo, sample
+from shared.sampling_params import SamplingParams
+
+V = 8
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], n: int) -> torch.Tensor:
+    """n draws per row -> counts [B, V]."""
+    info = SamplingInfo.build(params, V, logits.device)
+    counts = torch.zeros(len(params), V)
+    for i in range(n):
+        ids = sample(logits, info, torch.full((len(params), 1), i))
+        counts[torch.arange(len(params)), ids] += 1
+    return counts
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(top_k=1)]
+    counts = draw(logits, params, 200)
+    assert counts[0, logits[0].argmax()] == 200
+    assert counts[2, logits[2].argmax()] == 200
+    assert (counts[1] > 0).sum() > 1  # the sampled row really samples
+
+
+def test_top_k_top_p_min_p_keep_only_allowed_tokens():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05, 0.0, 0.0, 0.0]] * 3) + 1e-9)
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.75), SamplingParams(min_p=0.3)]
+    counts = draw(logits, params, 400)
+    assert set(counts[0].nonzero().flatten().tolist()) == {0, 1}
+    # top_p 0.75: 0.4 + 0.3 = 0.7 < 0.75, so token 2 is still needed
+    assert set(counts[1].nonzero().flatten().tolist()) == {0, 1, 2}
+    # min_p 0.3: keep p >= 0.3 * 0.4 = 0.12
+    assert set(counts[2].nonzero().flatten().tolist()) == {0, 1, 2}
+
+
+def test_frequencies_follow_temperature_scaled_distribution():
+    torch.manual_seed(1)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -9, -9, -9, -9]])
+    for temp in (0.5, 1.0, 2.0):
+        counts = draw(logits, [SamplingParams(temperature=temp)], 4000)
+        expected = torch.softmax(logits / temp, dim=-1)
+        assert torch.allclose(counts / 4000, expected, atol=0.03)
+
+
+def test_seeded_rows_reproduce_regardless_of_batch_and_follow_the_distribution():
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0, -4.0]])
+    seeded = SamplingParams(temperature=1.0, sampling_seed=1234)
+    pos = torch.arange(64).unsqueeze(1)
+    a = sample(logits.expand(64, V), SamplingInfo.build([seeded] * 64, V, "cpu"), pos)
+    # same seed and positions, different batch neighbours -> same tokens
+    mixed = [seeded if i % 2 == 0 else SamplingParams(temperature=1.0) for i in range(64)]
+    b = sample(logits.expand(64, V), SamplingInfo.build(mixed, V, "cpu"), pos)
+    assert torch.equal(a[::2], b[::2])
+    other = SamplingInfo.build([SamplingParams(sampling_seed=99)] * 64, V, "cpu")
+    assert not torch.equal(a, sample(logits.expand(64, V), other, pos))
+    many = sample(
+        logits.expand(4000, V), SamplingInfo.build([seeded] * 4000, V, "cpu"), torch.arange(4000)[:, None]
+    )
+    freq = torch.bincount(many, minlength=V).float() / 4000
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
