@@ -81,7 +81,8 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         # warmup: first-forward allocations are not throughput; flush so it feeds no cache hits
         warm = [ids[:16] for ids, _ in workload[:2]]
         engine.generate(input_ids=warm, sampling_params={"temperature": 0, "max_new_tokens": 4})
-        engine.flush_cache()
+        if not engine.flush_cache():
+            raise RuntimeError("flush_cache refused after the warmup: the engine still has work")
         before = engine.get_stats()
         params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for _, n in workload]
         t0 = time.perf_counter()
@@ -96,8 +97,16 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
             "device": resolve_device(engine.config.device),
         }
     d = {k: after[k] - before[k] for k in ("prompt_tokens", "cached_tokens", "steps", "forward_s", "step_s")}
+    aborted = [
+        o["meta_info"]["finish_reason"] for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"
+    ]
+    if aborted:
+        raise RuntimeError(f"{len(aborted)} requests aborted, e.g. {aborted[0]}; throughput would mislead")
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    assert out_tokens == sum(n for _, n in workload), "the engine generated a different token count"
+    if out_tokens != sum(n for _, n in workload):  # ignore_eos: only a bug can make this differ
+        raise RuntimeError(
+            f"the engine generated {out_tokens} tokens, not the {sum(n for _, n in workload)} asked"
+        )
     result = RunResult(
         backend="sglbus" + (" (no radix cache)" if disable_radix_cache else ""),
         requests=len(outs),

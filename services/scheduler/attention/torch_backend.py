@@ -73,8 +73,11 @@ class TorchAttention(AttentionBackend):
         out = q if meta.dec_is_all else torch.empty_like(q)
         if meta.dec_idx is not None:
             qd = q if meta.dec_is_all else q[meta.dec_tok]
-            kd = k_pool[meta.dec_idx].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_pool[meta.dec_idx].transpose(1, 2)
+            # index_select on a flat index is ~3x faster on CPU than advanced indexing
+            shape = (*meta.dec_idx.shape, *k_pool.shape[1:])
+            flat = meta.dec_idx.view(-1)
+            kd = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qd.unsqueeze(2), kd, vd, attn_mask=meta.dec_mask, scale=self.scale, enable_gqa=True
             ).squeeze(2)
@@ -83,8 +86,8 @@ class TorchAttention(AttentionBackend):
             out[meta.dec_tok] = o
         for e in meta.extends:
             qe = q[e.start : e.start + e.length].transpose(0, 1)  # [H, n, D]
-            ke = k_pool[e.kv_idx].transpose(0, 1)  # [Hkv, S, D]
-            ve = v_pool[e.kv_idx].transpose(0, 1)
+            ke = k_pool.index_select(0, e.kv_idx).transpose(0, 1)  # [Hkv, S, D]
+            ve = v_pool.index_select(0, e.kv_idx).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None, scale=self.scale, enable_gqa=True
             )
