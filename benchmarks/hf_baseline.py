@@ -64,5 +64,6 @@ def _generate(model: PreTrainedModel, batch: Workload, pad_id: int) -> int:
         min_new_tokens=new,
         pad_token_id=pad_id,
     )
-    assert out.shape[1] == width + new, "HF stopped early: the work would not be equal"
+    if out.shape[1] != width + new:
+        raise RuntimeError("HF stopped early: the work would not be equal")
     return sum(new - n for _, n in batch)

@@ -149,7 +149,11 @@ def print_block(r: RunResult) -> None:
 
 def machine_info(device: torch.device) -> dict[str, Any]:
     try:
-        rev = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+        # the checkout this benchmark runs from, whatever the caller's working directory
+        here = os.path.dirname(os.path.abspath(__file__))
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=here
+        )
         commit = rev.stdout.strip() or None
     except OSError:
         commit = None

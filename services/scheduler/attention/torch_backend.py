@@ -85,11 +85,12 @@ class TorchAttention(AttentionBackend):
                 return o
             out[meta.dec_tok] = o
         for e in meta.extends:
-            qe = q[e.start : e.start + e.length].transpose(0, 1)  # [H, n, D]
-            ke = k_pool.index_select(0, e.kv_idx).transpose(0, 1)  # [Hkv, S, D]
-            ve = v_pool.index_select(0, e.kv_idx).transpose(0, 1)
+            # 4-D with a batch of one: CPU SDPA is ~7x slower on 3-D inputs
+            qe = q[e.start : e.start + e.length].transpose(0, 1)[None]  # [1, H, n, D]
+            ke = k_pool.index_select(0, e.kv_idx).transpose(0, 1)[None]  # [1, Hkv, S, D]
+            ve = v_pool.index_select(0, e.kv_idx).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None, scale=self.scale, enable_gqa=True
             )
-            out[e.start : e.start + e.length] = o.transpose(0, 1)
+            out[e.start : e.start + e.length] = o[0].transpose(0, 1)
         return out
