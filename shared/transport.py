@@ -9,11 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
-Handler = Callable[[bytes], Awaitable[None]]
+log = logging.getLogger(__name__)
+
+
+class Message(NamedTuple):
+    subject: str
+    data: bytes
+    reply: str | None = None  # where a request/reply caller waits for the answer
+
+
+Handler = Callable[[Message], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,13 @@ class Subjects:
     def out(self, gateway: str) -> str:
         return f"{self.prefix}.out.{gateway}"
 
+    @property
+    def api_generate(self) -> str:
+        return f"{self.prefix}.api.generate"
+
+    def ctl(self, what: str) -> str:
+        return f"{self.prefix}.ctl.{what}"
+
 
 class Subscription(ABC):
     @abstractmethod
@@ -44,7 +63,15 @@ class Subscription(ABC):
 
 class Transport(ABC):
     @abstractmethod
-    async def publish(self, subject: str, data: bytes) -> None: ...
+    async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None: ...
+
+    @abstractmethod
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        """Publish with a private reply subject and return the first answer; TimeoutError if none."""
+
+    @abstractmethod
+    def new_inbox(self) -> str:
+        """A unique subject for replies."""
 
     @abstractmethod
     async def subscribe(self, subject: str, handler: Handler, queue: str | None = None) -> Subscription:
@@ -58,17 +85,15 @@ class Transport(ABC):
 class _InProcessSubscription(Subscription):
     def __init__(self, bus: InProcessTransport, subject: str, handler: Handler, queue: str | None) -> None:
         self.bus, self.subject, self.handler, self.queue = bus, subject, handler, queue
-        self.inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.inbox: asyncio.Queue[Message | None] = asyncio.Queue()
         self.task = asyncio.get_running_loop().create_task(self._pump())
 
     async def _pump(self) -> None:
-        while (data := await self.inbox.get()) is not None:
+        while (msg := await self.inbox.get()) is not None:
             try:
-                await self.handler(data)
+                await self.handler(msg)
             except Exception:  # a failing handler must not stop delivery, as with NATS
-                import logging
-
-                logging.getLogger(__name__).exception("handler for %s failed", self.subject)
+                log.exception("handler for %s failed", self.subject)
 
     async def unsubscribe(self) -> None:
         self.bus._subs[self.subject].remove(self)
@@ -83,16 +108,34 @@ class InProcessTransport(Transport):
         self._subs: dict[str, list[_InProcessSubscription]] = {}
         self._round_robin = itertools.count()
 
-    async def publish(self, subject: str, data: bytes) -> None:
-        subs = self._subs.get(subject, [])
+    async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
+        msg = Message(subject, data, reply)
         groups: dict[str, list[_InProcessSubscription]] = {}
-        for sub in subs:
+        for sub in self._subs.get(subject, []):
             if sub.queue is None:
-                sub.inbox.put_nowait(data)
+                sub.inbox.put_nowait(msg)
             else:
                 groups.setdefault(sub.queue, []).append(sub)
         for members in groups.values():
-            members[next(self._round_robin) % len(members)].inbox.put_nowait(data)
+            members[next(self._round_robin) % len(members)].inbox.put_nowait(msg)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        async def on_reply(msg: Message) -> None:
+            if not answer.done():
+                answer.set_result(msg.data)
+
+        inbox = self.new_inbox()
+        sub = await self.subscribe(inbox, on_reply)
+        try:
+            await self.publish(subject, data, reply=inbox)
+            return await asyncio.wait_for(answer, timeout)
+        finally:
+            await sub.unsubscribe()
+
+    def new_inbox(self) -> str:
+        return f"_INBOX.{uuid.uuid4().hex}"
 
     async def subscribe(self, subject: str, handler: Handler, queue: str | None = None) -> Subscription:
         sub = _InProcessSubscription(self, subject, handler, queue)

@@ -6,7 +6,7 @@ from typing import Any
 
 from services.detokenizer.detokenizer import Detokenizer
 from shared.messages import AbortReq, BatchTokenOut, Decoder, encode
-from shared.transport import Subjects, Subscription, Transport
+from shared.transport import Message, Subjects, Subscription, Transport
 
 
 class DetokenizerService:
@@ -25,8 +25,8 @@ class DetokenizerService:
         if self._sub is not None:
             await self._sub.unsubscribe()
 
-    async def _on_tokens(self, data: bytes) -> None:
-        outs, stopped = self.detok.step(self._dec(data))
+    async def _on_tokens(self, m: Message) -> None:
+        outs, stopped = self.detok.step(self._dec(m.data))
         for subject, batch in outs.items():
             await self.transport.publish(subject, encode(batch))
         for rid, finish in stopped:

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, encode
-from shared.transport import Subjects, Subscription, Transport
+from shared.transport import Message, Subjects, Subscription, Transport
 
 
 @dataclass
@@ -144,8 +144,8 @@ class RequestManager:
             await self.abort(unfinished)
 
     # -- detokenizer output -------------------------------------------------------------------
-    async def _on_text(self, data: bytes) -> None:
-        for out in self._dec(data).outs:
+    async def _on_text(self, m: Message) -> None:
+        for out in self._dec(m.data).outs:
             st = self._states.get(out.rid)
             if st is None:
                 continue

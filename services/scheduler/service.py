@@ -16,7 +16,7 @@ from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.messages import AbortReq, Decoder, GenerateReq, encode
 from shared.model_files import resolve_model_folder
-from shared.transport import Subjects, Subscription, Transport
+from shared.transport import Message, Subjects, Subscription, Transport
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,12 @@ class SchedulerService:
         return fut
 
     # -- bus handlers (event loop) ------------------------------------------------------------
-    async def _on_req(self, data: bytes) -> None:
-        msg = self._req_dec(data)
+    async def _on_req(self, m: Message) -> None:
+        msg = self._req_dec(m.data)
         self._put(lambda: self.scheduler.add_request(msg))
 
-    async def _on_abort(self, data: bytes) -> None:
-        msg = self._abort_dec(data)
+    async def _on_abort(self, m: Message) -> None:
+        msg = self._abort_dec(m.data)
         self._put(lambda: self.scheduler.abort(msg.rids, msg.finish))
 
     def _put(self, fn: Callable[[], Any]) -> None:
