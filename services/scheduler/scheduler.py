@@ -68,13 +68,14 @@ class Scheduler:
         for req in [r for r in self.waiting if r.rid in wanted]:
             self.waiting.remove(req)
             if finish is None:
-                self._finish_now(req, "aborted")
+                req.finish = {"type": "abort", "message": "aborted"}
+                self._emit(req, [])
         for req in self.running:
             if req.rid in wanted and req.finish is None:
                 req.finish = finish or {"type": "abort", "message": "aborted"}
 
-    def _finish_now(self, req: Req, message: str) -> None:
-        req.finish = {"type": "abort", "message": message}
+    def _finish_now(self, req: Req, message: str, status_code: int = 400) -> None:
+        req.finish = {"type": "abort", "message": message, "status_code": status_code}
         self._emit(req, [])
 
     # -- the loop -----------------------------------------------------------------------------
@@ -124,7 +125,11 @@ class Scheduler:
             if n and self._extend(r, n):
                 batch.append(r)
             elif n:  # a lone request that outgrew the whole pool
-                r.finish = {"type": "abort", "message": f"KV pool ({self.kv.size} tokens) exhausted"}
+                r.finish = {
+                    "type": "abort",
+                    "message": f"KV pool ({self.kv.size} tokens) exhausted",
+                    "status_code": 503,
+                }
         self.ratio = max(self.cfg.new_token_ratio, self.ratio - _RATIO_DECAY)
         if self.waiting and budget > 0:
             batch += self._admit(budget)
@@ -313,7 +318,7 @@ class Scheduler:
                 c = r.num_computed
                 self.kv.free(self.req_to_token.table[r.row, c : c + r.extend_len].clone())
                 r.extend_len = 0
-            r.finish = r.finish or {"type": "abort", "message": message}
+            r.finish = r.finish or {"type": "abort", "message": message, "status_code": 500}
         self._release_finished()
         return self.take_output()
 

@@ -5,15 +5,19 @@ dedicated thread (a forward never blocks the event loop), each step's output goe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
+from shared.heartbeat import Heartbeat
 from shared.messages import AbortReq, Decoder, GenerateReq, encode
 from shared.model_files import resolve_model_folder
 from shared.transport import Message, Subjects, Subscription, Transport
@@ -43,10 +47,15 @@ class SchedulerService:
         s = self.subjects
         self._subs.append(await self.transport.subscribe(s.req, self._on_req, queue="schedulers"))
         self._subs.append(await self.transport.subscribe(s.abort, self._on_abort))
+        for what, handler in (("server_info", self._on_server_info), ("flush_cache", self._on_flush_cache)):
+            self._subs.append(await self.transport.subscribe(s.ctl(what), handler, queue="schedulers"))
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
+        self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "scheduler", self.cfg.worker_id)
+        self._heartbeat.start()
 
     async def stop(self) -> None:
+        await self._heartbeat.stop()
         for sub in self._subs:
             await sub.unsubscribe()
         self._stop.set()
@@ -78,6 +87,36 @@ class SchedulerService:
     async def _on_abort(self, m: Message) -> None:
         msg = self._abort_dec(m.data)
         self._put(lambda: self.scheduler.abort(msg.rids, msg.finish))
+
+    async def _on_server_info(self, m: Message) -> None:
+        if m.reply:
+            info = await self.call(self.server_info)
+            await self.transport.publish(m.reply, orjson.dumps(info))
+
+    async def _on_flush_cache(self, m: Message) -> None:
+        if m.reply:
+            ok = await self.call(lambda s: s.flush_cache())
+            await self.transport.publish(m.reply, orjson.dumps({"success": ok}))
+
+    def server_info(self, sched: Scheduler) -> dict[str, Any]:
+        """Server arguments and live scheduler state, for /get_server_info and the gateway's checks."""
+        mc = self.runner.model_config
+        return {
+            **dataclasses.asdict(self.cfg),
+            "worker_id": self.cfg.worker_id,
+            "context_length": self.runner.context_len,
+            "vocab_size": mc.vocab_size,
+            "max_total_tokens": sched.kv.size,
+            "max_running_requests": sched.max_running,
+            "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "num_running_reqs": len(sched.running),
+            "num_queue_reqs": len(sched.waiting),
+            "num_used_tokens": sched.kv.size - sched.kv.free_count - sched.tree.evictable_size(),
+            "cache_hit_rate": sched.stats["cached_tokens"] / max(1, sched.stats["prompt_tokens"]),
+            "stats": dict(sched.stats),
+            "kv_integrity_error": self.integrity_error,
+        }
 
     def _put(self, fn: Callable[[], Any]) -> None:
         self._inbox.put(fn)

@@ -99,16 +99,15 @@ def test_rid_and_bad_input(engine):
         engine.generate()
 
 
-def test_prompt_longer_than_context_is_aborted_with_a_reason(make_engine):
+def test_prompt_longer_than_context_is_refused_and_generation_stops_at_the_context(make_engine):
     engine = make_engine(context_length=32)
-    out = engine.generate(input_ids=list(range(100, 140)), sampling_params={"max_new_tokens": 4})
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert "context length" in out["meta_info"]["finish_reason"]["message"]
-    # generation stops at the context length
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(input_ids=list(range(100, 140)), sampling_params={"max_new_tokens": 4})
     out = engine.generate(
         input_ids=list(range(100, 120)), sampling_params={"max_new_tokens": 50, "ignore_eos": True}
     )
     assert len(out["output_ids"]) == 12
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
 def test_tiny_random_safetensors_folder(tmp_path, model_folder, make_engine):

@@ -1,0 +1,65 @@
+"""The bus API: internal services send SGLang's `GenerateReqInput` JSON to `<prefix>.api.generate`
+(request/reply; gateways share the queue group `gateways`, so any one answers).
+
+Reply: the `/generate` response JSON. With `"stream": true`, each chunk arrives as its own message on
+the reply subject and `[DONE]` ends the stream. Bad input gets `{"error": {"message", "code": 400}}`
+(then `[DONE]` when streaming), with the same message as the HTTP 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+
+from services.gateway.generate_input import parse_generate_input
+from services.gateway.request_manager import RequestManager
+from shared.transport import Message, Transport
+
+log = logging.getLogger(__name__)
+END = b"[DONE]"
+
+
+class BusApi:
+    def __init__(self, requests: RequestManager, transport: Transport) -> None:
+        self.requests, self.transport = requests, transport
+        self._tasks: set[asyncio.Task] = set()
+
+    async def on_request(self, m: Message) -> None:
+        if not m.reply:
+            return  # fire-and-forget has nobody to answer
+        task = asyncio.get_running_loop().create_task(self._serve(m.data, m.reply))
+        self._tasks.add(task)  # one task per request: the subscription keeps taking new ones
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, data: bytes, reply: str) -> None:
+        stream = False
+        try:
+            obj = orjson.loads(data)
+            req = parse_generate_input(obj)
+            stream = req.stream
+            states = await self.requests.submit(req)
+        except (ValueError, orjson.JSONDecodeError) as e:
+            await self._send(reply, {"error": {"message": str(e), "code": 400}})
+            if stream:
+                await self.transport.publish(reply, END)
+            return
+        try:
+            if stream:
+                async for chunk in self.requests.stream(req, states):
+                    await self._send(reply, chunk)
+                await self.transport.publish(reply, END)
+            else:
+                await self._send(reply, await self.requests.wait(req, states))
+        except Exception as e:  # answer rather than leave the caller waiting
+            log.exception("bus API request failed")
+            await self._send(reply, {"error": {"message": f"internal error: {e}", "code": 500}})
+
+    async def _send(self, reply: str, obj: Any) -> None:
+        await self.transport.publish(reply, orjson.dumps(obj))
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()

@@ -1,0 +1,157 @@
+"""The HTTP API (Starlette): SGLang's `/generate` (JSON and SSE) and ops endpoints, over `Gateway`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+import sglbus
+from services.gateway.generate_input import GenerateInput, parse_generate_input
+from services.gateway.service import Gateway
+
+log = logging.getLogger(__name__)
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def error(message: str, status: int = 400) -> Response:
+    return json_response(
+        {"error": {"message": message, "code": status}, "object": "error", "message": message}, status
+    )
+
+
+class BodyTooLarge(ValueError):
+    pass
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+    if not body:
+        raise ValueError("the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(bytes(body))
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON: {e}") from None
+
+
+def build_app(gw: Gateway) -> Starlette:
+    limit = gw.cfg.max_body_bytes
+
+    async def generate(request: Request) -> Response:
+        try:
+            req = parse_generate_input(await read_json(request, limit))
+            states = await gw.requests.submit(req)
+        except ValueError as e:
+            return error(str(e), 400)
+        if req.stream:
+            return StreamingResponse(_sse(gw, req, states), media_type="text/event-stream")
+        result = await gw.requests.wait(req, states)
+        failed = next((r for r in _as_list(result) if _server_error(r)), None)
+        if failed is not None:
+            reason = failed["meta_info"]["finish_reason"]
+            return error(reason["message"], reason.get("status_code", 500))
+        return json_response(result)
+
+    async def health(request: Request) -> Response:
+        return (
+            Response(status_code=200)
+            if gw.ready
+            else error("the server is starting or has no live worker", 503)
+        )
+
+    async def health_generate(request: Request) -> Response:
+        if not gw.ready:
+            return error("the server is starting or has no live worker", 503)
+        probe = parse_generate_input(
+            {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
+        )
+        try:
+            out = await asyncio.wait_for(gw.requests.generate(probe), gw.cfg.health_generate_timeout)
+        except TimeoutError:
+            return error("a 1-token generation did not finish in time", 503)
+        if out["meta_info"]["finish_reason"]["type"] == "abort":
+            return error(out["meta_info"]["finish_reason"]["message"], 503)
+        return Response(status_code=200)
+
+    async def model_info(request: Request) -> Response:
+        return json_response(gw.model_info())
+
+    async def server_info(request: Request) -> Response:
+        try:
+            info = await gw.refresh_info()
+        except Exception as e:
+            return error(f"no scheduler answered: {e}", 503)
+        gateway = {"max_body_bytes": limit, "in_flight": gw.requests.in_flight,
+                   "uptime_s": round(time.time() - gw.started, 3)}  # fmt: skip
+        return json_response({**info, "version": sglbus.__version__, "gateway": gateway})
+
+    async def flush_cache(request: Request) -> Response:
+        try:
+            ok = (await gw.ctl("flush_cache"))["success"]
+        except Exception as e:
+            return error(f"no scheduler answered: {e}", 503)
+        if not ok:
+            return error("cannot flush the cache while requests are running", 400)
+        return Response("Cache flushed.\n", status_code=200)
+
+    async def abort_request(request: Request) -> Response:
+        try:
+            obj = await read_json(request, limit)
+        except ValueError as e:
+            return error(str(e), 400)
+        if not isinstance(obj, dict) or (not obj.get("abort_all") and not isinstance(obj.get("rid"), str)):
+            return error('send {"rid": "<request id>"} or {"abort_all": true}', 400)
+        rids = gw.requests.active_rids() if obj.get("abort_all") else [obj["rid"]]
+        if rids:
+            await gw.requests.abort(rids)
+        return Response(status_code=200)
+
+    routes = [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+async def _sse(gw: Gateway, req: GenerateInput, states: list) -> AsyncIterator[bytes]:
+    async for chunk in gw.requests.stream(req, states):
+        if _server_error(chunk):
+            msg = chunk["meta_info"]["finish_reason"]["message"]
+            yield b"data: " + orjson.dumps({"error": {"message": msg}}) + b"\n\n"
+        else:
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _as_list(result: Any) -> list[dict[str, Any]]:
+    return result if isinstance(result, list) else [result]
+
+
+def _server_error(resp: dict[str, Any]) -> bool:
+    reason = resp["meta_info"].get("finish_reason") or {}
+    return reason.get("type") == "abort" and "status_code" in reason

@@ -1,0 +1,119 @@
+"""The gateway process's core: request manager, bus API, worker liveness and scheduler info over the bus.
+The HTTP layer (`http_app.py`) is a thin shell around it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from services.gateway.bus_api import BusApi
+from services.gateway.config import GatewayConfig
+from services.gateway.request_manager import RequestManager
+from shared.model_config import ModelConfig
+from shared.transport import Message, Subjects, Subscription, Transport
+
+log = logging.getLogger(__name__)
+_CTL_TIMEOUT_S = 5.0
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, transport: Transport, tokenizer: Any, model: ModelConfig,
+                 model_path: str, tokenizer_path: str) -> None:  # fmt: skip
+        self.cfg, self.transport, self.tokenizer = cfg, transport, tokenizer
+        self.model, self.model_path, self.tokenizer_path = model, model_path, tokenizer_path
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.requests = RequestManager(tokenizer, transport, cfg.subject_prefix, model.vocab_size,
+                                       None, cfg.gateway_id)  # fmt: skip
+        self.bus_api = BusApi(self.requests, transport)
+        self.scheduler_info: dict[str, Any] | None = None
+        self._seen: dict[tuple[str, str], float] = {}  # (service, worker) -> last heartbeat
+        self._subs: list[Subscription] = []
+        self._tasks: list[asyncio.Task] = []
+        self.started = time.time()
+
+    async def start(self) -> None:
+        await self.requests.start()
+        s = self.subjects
+        self._subs.append(await self.transport.subscribe(s.ctl("heartbeat"), self._on_heartbeat))
+        self._subs.append(
+            await self.transport.subscribe(s.api_generate, self.bus_api.on_request, queue="gateways")
+        )
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._watch_workers()),
+            loop.create_task(self._fetch_info_until_ready()),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await self.bus_api.stop()
+        await self.requests.stop()
+
+    # -- control plane ------------------------------------------------------------------------
+    async def ctl(self, what: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = await self.transport.request(
+            self.subjects.ctl(what), orjson.dumps(payload or {}), _CTL_TIMEOUT_S
+        )
+        return orjson.loads(data)
+
+    async def refresh_info(self) -> dict[str, Any]:
+        info = await self.ctl("server_info")
+        self.scheduler_info = info
+        self.requests.context_len = info["context_length"]
+        return info
+
+    async def _fetch_info_until_ready(self) -> None:
+        while self.scheduler_info is None:
+            try:
+                await self.refresh_info()
+            except Exception:  # the scheduler is still loading its model
+                await asyncio.sleep(0.5)
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler_info is not None and self.pipeline_alive
+
+    @property
+    def pipeline_alive(self) -> bool:
+        """Some worker has both a live scheduler and a live detokenizer."""
+        now = time.monotonic()
+        live = {(svc, w) for (svc, w), t in self._seen.items() if now - t < self.cfg.worker_timeout}
+        return any(("detokenizer", w) in live for svc, w in live if svc == "scheduler")
+
+    async def _on_heartbeat(self, m: Message) -> None:
+        beat = orjson.loads(m.data)
+        self._seen[(beat["service"], beat["worker"])] = time.monotonic()
+
+    async def _watch_workers(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.requests.in_flight and self._seen and not self.pipeline_alive:
+                dead = sorted(f"{svc} {w}" for (svc, w), t in self._seen.items()
+                              if time.monotonic() - t >= self.cfg.worker_timeout)  # fmt: skip
+                msg = (
+                    f"no live worker: {', '.join(dead)} stopped answering for {self.cfg.worker_timeout:.0f} s"
+                )
+                log.error("%s; failing %d in-flight requests", msg, self.requests.in_flight)
+                self.requests.fail(msg)
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "llama",
+            "architectures": [self.model.architecture],
+        }

@@ -1,0 +1,38 @@
+"""Liveness on the bus: each scheduler and detokenizer publishes a heartbeat every second; the gateway
+fails in-flight requests when a pipeline goes quiet instead of letting clients hang."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import orjson
+
+from shared.transport import Transport
+
+INTERVAL_S = 1.0
+
+
+class Heartbeat:
+    def __init__(self, transport: Transport, subject: str, service: str, worker: str) -> None:
+        self.transport, self.subject = transport, subject
+        self.payload = {"service": service, "worker": worker}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a bus hiccup must not end the heartbeat
+                await self.transport.publish(
+                    self.subject, orjson.dumps({**self.payload, "time": time.time()})
+                )
+            await asyncio.sleep(INTERVAL_S)

