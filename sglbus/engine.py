@@ -31,7 +31,7 @@ _END = object()
 class Engine:
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
         self.config = EngineConfig.from_env(model_path=model_path, **options)
-        self.model_folder = resolve_model_folder(self.config.model_path)
+        self.model_folder = resolve_model_folder(self.config.model_path, self.config.load_format != "dummy")
         self.tokenizer = load_tokenizer(self.config.tokenizer_path or self.model_folder)
         runner = ModelRunner(self.config, self.model_folder)
         self.model_config = runner.model_config

@@ -49,14 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedded NATS (JetStream on) at {nats_url}", flush=True)
     else:
         nats_url = args.nats_url
-    model = {k: engine[k] for k in ("model_path", "tokenizer_path") if k in engine}
-    shared = {k: engine[k] for k in ("subject_prefix",) if k in engine}
-    worker = {k: engine[k] for k in ("worker_id",) if k in engine}
+    def pick(*names: str) -> dict:
+        return {k: engine[k] for k in names if k in engine}
+
+    common = pick("model_path", "tokenizer_path", "subject_prefix")
     commands = {
         "scheduler": ["services.scheduler", "--nats-url", nats_url, *_flags(engine)],
-        "detokenizer": ["services.detokenizer", "--nats-url", nats_url, *_flags({**model, **shared, **worker})],
+        "detokenizer": ["services.detokenizer", "--nats-url", nats_url, *_flags({**common, **pick("worker_id")})],
         "gateway": ["services.gateway", "--nats-url", nats_url, "--host", args.host, "--port", str(args.port),
-                    *_flags({**model, **shared})],
+                    *_flags(common)],
     }  # fmt: skip
     procs: dict[str, subprocess.Popen] = {}
     stopping = False

@@ -90,15 +90,16 @@ def gguf_cache_folder(gguf_path: str) -> str:
     return os.path.join(cache_root(), "gguf", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
 
-def resolve_model_folder(model_path: str | None) -> str:
-    """A HF style folder (config.json, *.safetensors, tokenizer files) for a folder, a .gguf file or None."""
+def resolve_model_folder(model_path: str | None, need_weights: bool = True) -> str:
+    """A HF style folder (config.json, *.safetensors, tokenizer files) for a folder, a .gguf file or None.
+    need_weights=False (load_format "dummy") accepts a folder holding only config.json."""
     path = os.path.expanduser(model_path) if model_path is not None else default_model_path()
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
             hint = f"; pass the GGUF file itself, e.g. {ggufs[0]}" if ggufs else ""
             raise FileNotFoundError(f"model folder {path} has no config.json{hint}")
-        if not glob.glob(os.path.join(path, "*.safetensors")):
+        if need_weights and not glob.glob(os.path.join(path, "*.safetensors")):
             raise FileNotFoundError(f"model folder {path} has no *.safetensors weights")
         return path
     if os.path.isfile(path) and path.endswith(".gguf"):

@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     async def amain() -> None:
-        tokenizer = load_tokenizer(args.tokenizer_path or resolve_model_folder(args.model_path))
+        tokenizer = load_tokenizer(
+            args.tokenizer_path or resolve_model_folder(args.model_path, need_weights=False)
+        )
         transport = await NatsTransport.connect(args.nats_url, name=f"detokenizer-{args.worker_id}")
         service = DetokenizerService(tokenizer, transport, args.subject_prefix, args.worker_id)
         await service.start()

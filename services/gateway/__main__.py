@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg: GatewayConfig = from_env(GatewayConfig, **cli_overrides(args, GatewayConfig))
 
     async def amain() -> None:
-        folder = resolve_model_folder(cfg.model_path)
+        folder = resolve_model_folder(cfg.model_path, need_weights=False)
         tokenizer_path = cfg.tokenizer_path or folder
         tokenizer = load_tokenizer(tokenizer_path)
         transport = await NatsTransport.connect(cfg.nats_url, name="gateway")

@@ -31,7 +31,9 @@ class SchedulerService:
     def __init__(self, config: EngineConfig, transport: Transport, runner: ModelRunner | None = None) -> None:
         self.cfg, self.transport = config, transport
         self.subjects = Subjects(config.subject_prefix)
-        self.runner = runner or ModelRunner(config, resolve_model_folder(config.model_path))
+        self.runner = runner or ModelRunner(
+            config, resolve_model_folder(config.model_path, config.load_format != "dummy")
+        )
         self.scheduler = Scheduler(config, self.runner)
         self._inbox: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
         self._wake = threading.Event()

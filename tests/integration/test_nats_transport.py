@@ -49,10 +49,10 @@ async def make_bus(request: pytest.FixtureRequest) -> AsyncIterator[BusFactory]:
         await bus.close()
 
 
-async def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: object = None) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"condition not met in time: {what}"
         await asyncio.sleep(0.01)
 
 
@@ -87,7 +87,10 @@ async def test_queue_group_splits(make_bus: BusFactory) -> None:
     sent = [str(i).encode() for i in range(200)]
     for data in sent:
         await pub_bus.publish("t.work", data)
-    await wait_until(lambda: len(got_a) + len(got_b) >= len(sent) and len(got_all) >= len(sent))
+    await wait_until(
+        lambda: len(got_a) + len(got_b) >= len(sent) and len(got_all) >= len(sent),
+        what=(len(got_a), len(got_b), len(got_all)),
+    )
     await asyncio.sleep(0.1)  # nothing more (no duplicates) may arrive
     assert got_a and got_b
     assert sorted(got_a + got_b) == sorted(sent)
@@ -151,7 +154,7 @@ async def test_unsubscribe_stops_delivery(make_bus: BusFactory) -> None:
     await wait_until(lambda: got == [b"1"])
     await sub.unsubscribe()
     await pub_bus.publish("t.unsub", b"2")
-    await wait_until(lambda: still == [b"1", b"2"])
+    await wait_until(lambda: still == [b"1", b"2"], what=(got, still))
     await asyncio.sleep(0.05)
     assert got == [b"1"]
 
