@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     common = pick("model_path", "tokenizer_path", "subject_prefix")
     commands = {
         "scheduler": ["services.scheduler", "--nats-url", nats_url, *_flags(engine)],
-        "detokenizer": ["services.detokenizer", "--nats-url", nats_url, *_flags({**common, **pick("worker_id")})],
+        "detokenizer": ["services.detokenizer", "--nats-url", nats_url,
+                        *_flags({**common, **pick("worker_id")})],
         "gateway": ["services.gateway", "--nats-url", nats_url, "--host", args.host, "--port", str(args.port),
                     *_flags(common)],
     }  # fmt: skip
