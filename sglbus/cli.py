@@ -1,4 +1,4 @@
-"""The `sglbus` command: `sglbus serve [args]`, `sglbus bench offline [args]`.
+"""The `sglbus` command: `sglbus serve [args]`, `sglbus bench {offline,serving,bus-latency} [args]`.
 
 Each leaf subcommand owns its argument parser (so it also runs as `python -m <module>`); this file only
 routes to it. A leaf is declared without its own options and with add_help=False, so every argument
@@ -22,6 +22,18 @@ def _bench_offline(argv: list[str], prog: str) -> int:
     return main(argv, prog)
 
 
+def _bench_serving(argv: list[str], prog: str) -> int:
+    from benchmarks.serving import main
+
+    return main(argv, prog)
+
+
+def _bench_bus_latency(argv: list[str], prog: str) -> int:
+    from benchmarks.bus_latency import main
+
+    return main(argv, prog)
+
+
 def _serve(argv: list[str], prog: str) -> int:
     from sglbus.serve import main
 
@@ -36,6 +48,14 @@ _LEAVES: dict[tuple[str, str], tuple[str, Leaf]] = {
     ("bench", "offline"): (
         "offline throughput of sglbus.Engine (SGLang's bench_offline_throughput)",
         _bench_offline,
+    ),
+    ("bench", "serving"): (
+        "online serving against a /generate server (SGLang's bench_serving)",
+        _bench_serving,
+    ),
+    ("bench", "bus-latency"): (
+        "latency the bus path adds to a request, over HTTP and the bus API",
+        _bench_bus_latency,
     ),
 }
 _GROUPS = {"bench": "benchmarks"}

@@ -1,0 +1,108 @@
+"""Helpers shared by the online benchmarks: start `sglbus serve` on a free port (`--launch-server`),
+describe the machine for the JSONL rows, and percentiles."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from types import TracebackType
+from typing import Any
+
+_STARTUP_TIMEOUT_S = 600.0  # a first start converts the GGUF and loads the model
+_SERVING = re.compile(r"sglbus is serving at (\S+)")
+_NATS = re.compile(r"embedded NATS \(JetStream on\) at (\S+)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LaunchedServer:
+    """`sglbus serve --port <free> <server_args>` as a child process; its output goes to a log file.
+    Use as a context manager: entering waits until it prints its URL, leaving stops it (SIGTERM: `serve`
+    stops its own scheduler, detokenizer, gateway and NATS)."""
+
+    def __init__(self, server_args: str = "", host: str = "127.0.0.1") -> None:
+        self.host, self.port = host, free_port(host)
+        self.extra = shlex.split(server_args)
+        self.url = f"http://{host}:{self.port}"
+        self.nats_url: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        fd, self.log_path = tempfile.mkstemp(prefix="sglbus-serve-", suffix=".log")
+        os.close(fd)
+
+    def __enter__(self) -> LaunchedServer:
+        cmd = [sys.executable, "-m", "sglbus.cli", "serve", "--host", self.host, "--port", str(self.port)]
+        cmd += self.extra
+        print(f"launching: {shlex.join(cmd)}  (log: {self.log_path})", flush=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            text = self.log_text()
+            if (m := _NATS.search(text)) is not None:
+                self.nats_url = m.group(1)
+            if (m := _SERVING.search(text)) is not None:
+                self.url = m.group(1)
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        tail = "\n".join(self.log_text().splitlines()[-30:])
+        self.stop()
+        raise RuntimeError(f"sglbus serve did not become healthy; log tail:\n{tail}")
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def machine_info() -> dict[str, Any]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=here
+        )
+        commit: str | None = rev.stdout.strip() or None
+    except OSError:
+        commit = None
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_at_start": os.getloadavg()[0],
+        "git": commit,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), 0 for an empty list."""
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else 0.0
