@@ -65,6 +65,7 @@ class NatsTransport(Transport):
         self.nc, self.name = nc, name
         self.reconnects = 0  # times the connection came back after a loss; for health checks
         self._subs: set[_NatsSubscription] = set()
+        self._sync_subject = "_SGLBUS_SYNC." + nc.new_inbox().rsplit(".", 1)[-1]  # see _sync
 
     @property
     def is_connected(self) -> bool:
@@ -111,8 +112,10 @@ class NatsTransport(Transport):
         return transport
 
     async def _on_error(self, e: Exception) -> None:
-        # Refused connections repeat every reconnect_time_wait while the server is down: keep quiet.
-        level = logging.DEBUG if self.nc.is_reconnecting else logging.WARNING
+        # The EOF of a lost server is reported by _on_disconnected, and refused connections repeat
+        # every reconnect_time_wait while it is down: keep both quiet.
+        expected = self.nc.is_reconnecting or isinstance(e, nats.errors.UnexpectedEOF)
+        level = logging.DEBUG if expected else logging.WARNING
         log.log(level, "nats %s: %s: %s", self.name, type(e).__name__, e)
 
     async def _on_disconnected(self) -> None:
@@ -122,6 +125,15 @@ class NatsTransport(Transport):
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
         log.warning("nats %s: reconnected to %s", self.name, getattr(self.nc.connected_url, "netloc", "?"))
+
+    async def _sync(self) -> None:
+        """A round trip ordered after everything sent before, so a SUB is live on the server when
+        subscribe returns (a publish from another connection right after is delivered, as
+        in-process). Not nc.flush(): nats-py writes its PING straight to the socket, ahead of a SUB
+        still in the outgoing buffer, and the PONG can come back before the SUB is processed. A
+        request to a subject nobody listens on travels in order and the server answers it."""
+        with contextlib.suppress(nats.errors.Error):  # "no responders" is the expected answer
+            await self.nc.request(self._sync_subject, b"", timeout=5)
 
     async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
         await self.nc.publish(subject, data, reply=reply or "")
@@ -153,11 +165,8 @@ class NatsTransport(Transport):
             sub.task.cancel()
             raise
         self._subs.add(sub)
-        # A round trip, so the server has the interest when we return and a publish from another
-        # connection right after is delivered, as in-process. If it fails, reconnecting resends the SUB.
-        if self.nc.is_connected:
-            with contextlib.suppress(nats.errors.Error):
-                await self.nc.flush(timeout=5)
+        if self.nc.is_connected:  # while reconnecting, the SUB is resent on reconnect
+            await self._sync()
         return sub
 
     async def close(self) -> None:

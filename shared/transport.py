@@ -96,9 +96,13 @@ class _InProcessSubscription(Subscription):
                 log.exception("handler for %s failed", self.subject)
 
     async def unsubscribe(self) -> None:
-        self.bus._subs[self.subject].remove(self)
+        subs = self.bus._subs.get(self.subject, [])
+        if self not in subs:
+            return
+        subs.remove(self)
         self.inbox.put_nowait(None)
-        await self.task
+        if asyncio.current_task() is not self.task:  # called from its own handler: the pump ends after it
+            await self.task
 
 
 class InProcessTransport(Transport):
