@@ -106,34 +106,35 @@ class Scheduler:
         return out if out.rids else None
 
     def _schedule(self) -> list[Req]:
-        budget = self.cfg.chunked_prefill_size
-        # running requests first: decodes cost one slot each, chunked prefills take from the budget
+        # running requests first: decodes cost one slot each, chunked prefills take from the budget;
+        # retract the newest while even an emptied cache could not hold this step's tokens
         while True:
-            need, b = 0, budget
-            for r in self.running:
-                n = 1 if r.remaining == 1 else min(r.remaining, b)
-                b -= n if r.remaining > 1 else 0
-                need += n
+            plan, budget = self._plan_running(self.cfg.chunked_prefill_size)
+            need = sum(n for _, n in plan)
             if need <= self.kv.free_count + self.tree.evictable_size() or len(self.running) <= 1:
                 break
             self._retract(self.running[-1])
         batch: list[Req] = []
-        for r in self.running:
-            n = 1 if r.remaining == 1 else min(r.remaining, budget)
-            if r.remaining > 1:
-                budget -= n
+        for r, n in plan:
             if n and self._extend(r, n):
                 batch.append(r)
             elif n:  # a lone request that outgrew the whole pool
-                r.finish = {
-                    "type": "abort",
-                    "message": f"KV pool ({self.kv.size} tokens) exhausted",
-                    "status_code": 503,
-                }
+                message = f"KV pool ({self.kv.size} tokens) exhausted"
+                r.finish = {"type": "abort", "message": message, "status_code": 503}
         self.ratio = max(self.cfg.new_token_ratio, self.ratio - _RATIO_DECAY)
         if self.waiting and budget > 0:
             batch += self._admit(budget)
         return batch
+
+    def _plan_running(self, budget: int) -> tuple[list[tuple[Req, int]], int]:
+        """Tokens each running request computes this step, and the prefill budget left for new ones."""
+        plan = []
+        for r in self.running:
+            n = 1 if r.remaining == 1 else min(r.remaining, budget)
+            if r.remaining > 1:
+                budget -= n
+            plan.append((r, n))
+        return plan, budget
 
     def _admit(self, budget: int) -> list[Req]:
         admitted: list[Req] = []
