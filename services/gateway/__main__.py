@@ -12,7 +12,7 @@ from services.gateway.http_app import build_app
 from services.gateway.service import Gateway
 from shared.config import add_cli_args, cli_overrides, from_env
 from shared.model_config import ModelConfig
-from shared.model_files import resolve_model_folder
+from shared.model_files import default_model_path, resolve_model_folder
 from shared.nats_transport import NatsTransport
 from shared.service_main import run
 from shared.tokenizer import load_tokenizer
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(tokenizer_path)
         transport = await NatsTransport.connect(cfg.nats_url, name="gateway")
         gateway = Gateway(cfg, transport, tokenizer, ModelConfig.from_folder(folder),
-                          cfg.model_path or folder, tokenizer_path)  # fmt: skip
+                          cfg.model_path or default_model_path(), tokenizer_path)  # fmt: skip
         await gateway.start()
         server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port,
                                                log_level="warning", timeout_graceful_shutdown=5))  # fmt: skip

@@ -124,7 +124,16 @@ def build_app(gw: Gateway) -> Starlette:
             await gw.requests.abort(rids)
         return Response(status_code=200)
 
+    async def list_models(request: Request) -> Response:
+        """OpenAI's model list (SGLang serves it too; its bench_serving reads the model name here)."""
+        card = {
+            "id": gw.served_model_name, "object": "model", "created": int(gw.started), "owned_by": "sglbus",
+            "root": gw.model_path, "max_model_len": gw.requests.context_len,
+        }  # fmt: skip
+        return json_response({"object": "list", "data": [card]})
+
     routes = [
+        Route("/v1/models", list_models, methods=["GET"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ class Gateway:
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
+        self.served_model_name = os.path.splitext(os.path.basename(os.path.normpath(model_path)))[0]
 
     async def start(self) -> None:
         await self.requests.start()

@@ -19,7 +19,7 @@ from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.heartbeat import Heartbeat
 from shared.messages import AbortReq, Decoder, GenerateReq, encode
-from shared.model_files import resolve_model_folder
+from shared.model_files import default_model_path, resolve_model_folder
 from shared.transport import Message, Subjects, Subscription, Transport
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class SchedulerService:
         mc = self.runner.model_config
         return {
             **dataclasses.asdict(self.cfg),
+            "model_path": self.cfg.model_path or default_model_path(),
             "worker_id": self.cfg.worker_id,
             "context_length": self.runner.context_len,
             "vocab_size": mc.vocab_size,
