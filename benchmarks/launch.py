@@ -67,6 +67,8 @@ class LaunchedServer:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+        if et is None:  # kept after a failure, for context
+            os.unlink(self.log_path)
 
     def log_text(self) -> str:
         with open(self.log_path, errors="replace") as f:

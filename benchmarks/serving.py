@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -78,7 +79,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     t = p.add_argument_group("traffic and output")
     t.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     t.add_argument("--max-concurrency", type=int, default=None)
-    t.add_argument("--extra-request-body", default=None, help='JSON, e.g. \'{"frequency_penalty": 1.1}\'')
+    t.add_argument("--extra-request-body", default=None, help="JSON, e.g. '{\"frequency_penalty\": 1.1}'")
     t.add_argument("--disable-tqdm", action="store_true")
     t.add_argument("--output-file", default=None, help="append one JSONL row with all metrics")
     return p.parse_args(argv)
@@ -104,7 +105,9 @@ def split_extra(raw: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     return top, sampling
 
 
-def load_tokenizer_and_vocab(args: argparse.Namespace, model_info: dict, server_info: dict) -> tuple[Any, int]:
+def load_tokenizer_and_vocab(
+    args: argparse.Namespace, model_info: dict, server_info: dict
+) -> tuple[Any, int]:
     from shared.tokenizer import load_tokenizer
 
     folder = args.tokenizer
@@ -120,7 +123,7 @@ def load_tokenizer_and_vocab(args: argparse.Namespace, model_info: dict, server_
     vocab = server_info.get("vocab_size")
     if not isinstance(vocab, int):  # a real SGLang server: the model's config.json, else the tokenizer
         cfg = os.path.join(folder, "config.json")
-        vocab = json.load(open(cfg))["vocab_size"] if os.path.isfile(cfg) else len(tok)
+        vocab = json.loads(Path(cfg).read_text())["vocab_size"] if os.path.isfile(cfg) else len(tok)
     return tok, vocab
 
 
@@ -132,7 +135,8 @@ async def send(client: httpx.AsyncClient, url: str, ids: list[int], n_out: int,
     st = last_t = time.perf_counter()
     last_n = 0
     try:
-        async with client.stream("POST", url, content=orjson.dumps(payload)) as r:
+        headers = {"Content-Type": "application/json"}
+        async with client.stream("POST", url, content=orjson.dumps(payload), headers=headers) as r:
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return out
@@ -292,7 +296,13 @@ def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
         print(f"{len(failed)} requests failed, e.g. {failed[0]}", file=sys.stderr)
     m = metrics(workload, outputs, duration, tok)
     print_block(args, m)
-    return {"model_path": model_info.get("model_path"), "metrics": m, "errors": failed[:5]}
+    # sglbus servers: the scheduler's counters over the run (warmup included), e.g. the prefix cache hits
+    r = httpx.get(base + "/get_server_info", timeout=30)
+    after = r.json().get("stats") if r.status_code == 200 else None
+    before = server_info.get("stats")
+    stats = {k: after[k] - before[k] for k in after if k in before} if after and before else None
+    return {"model_path": model_info.get("model_path"), "metrics": m, "server_stats": stats,
+            "errors": failed[:5]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

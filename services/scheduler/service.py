@@ -24,7 +24,7 @@ from shared.transport import Message, Subjects, Subscription, Transport
 
 log = logging.getLogger(__name__)
 
-_IDLE_CHECK_S = 1.0  # how often an idle scheduler checks KV integrity
+_IDLE_CHECK_S = 1.0  # an idle scheduler checks KV integrity after this long without work
 
 
 class SchedulerService:
@@ -143,8 +143,10 @@ class SchedulerService:
                 data = encode(out)
                 asyncio.run_coroutine_threadsafe(self.transport.publish(detok, data), self._loop)
             elif not sched.has_work:
-                self._idle_check()
-                self._wake.wait(_IDLE_CHECK_S)
+                # the integrity check walks the whole pool: only after a quiet second, never between
+                # a step's output and the next request
+                if not self._wake.wait(_IDLE_CHECK_S):
+                    self._idle_check()
                 self._wake.clear()
 
     def _drain(self) -> None:
