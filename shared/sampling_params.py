@@ -35,6 +35,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
     n: int = 1
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
@@ -115,6 +116,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "regex": None,
             "json_schema": None,
             "ebnf": None,
+            "structural_tag": None,
             "n": 1,
             "logit_bias": None,
         }

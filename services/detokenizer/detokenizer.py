@@ -50,7 +50,7 @@ class Detokenizer:
             if st is None:
                 continue
             st.ids.extend(tokens)
-            matched = self._advance(st, final=finish is not None)
+            matched = self._advance(st, finish)
             if matched is not None:
                 if finish is None:  # the scheduler is still generating: tell it to stop
                     stopped.append((rid, {"type": "stop", "matched": matched}))
@@ -64,10 +64,12 @@ class Detokenizer:
                     self._done.popitem(last=False)
         return outs, stopped
 
-    def _advance(self, st: _State, final: bool) -> str | None:
+    def _advance(self, st: _State, finish: dict | None) -> str | None:
         skip = st.info.skip_special_tokens
-        if final:
-            st.text = self._decode(st.ids, skip_special_tokens=skip)
+        if finish is not None:
+            # a matched stop token stays in output_ids but not in the text (SGLang's trim_matched_stop)
+            trim = isinstance(finish.get("matched"), int) and not st.info.no_stop_trim
+            st.text = self._decode(st.ids[:-1] if trim else st.ids, skip_special_tokens=skip)
         else:
             prefix = self._decode(st.ids[st.prefix_offset : st.read_offset], skip_special_tokens=skip)
             window = self._decode(st.ids[st.prefix_offset :], skip_special_tokens=skip)

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from services.gateway.generate_input import parse_generate_input
+from services.gateway.generate_input import decode_json, parse_generate_input
 from services.gateway.request_manager import RequestManager
 from shared.transport import Message, Transport
 
@@ -37,11 +37,12 @@ class BusApi:
     async def _serve(self, data: bytes, reply: str) -> None:
         stream = False
         try:
-            obj = orjson.loads(data)
+            obj = decode_json(data)
+            stream = isinstance(obj, dict) and obj.get("stream") is True  # [DONE] ends even a rejection
             req = parse_generate_input(obj)
             stream = req.stream
             states = await self.requests.submit(req)
-        except (ValueError, orjson.JSONDecodeError) as e:
+        except ValueError as e:
             await self._send(reply, {"error": {"message": str(e), "code": 400}})
             if stream:
                 await self.transport.publish(reply, END)

@@ -8,6 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from shared.sampling_params import SamplingParams
 
 # fields the engine honours
@@ -59,6 +61,16 @@ class GenerateInput:
     prompts: list[Prompt]
     is_batch: bool
     stream: bool
+
+
+def decode_json(body: bytes) -> Any:
+    """A request body as JSON, with the messages HTTP and the bus API both give."""
+    if not body:
+        raise ValueError("the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON: {e}") from None
 
 
 def parse_generate_input(obj: Any) -> GenerateInput:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 import sglbus
-from services.gateway.generate_input import GenerateInput, parse_generate_input
+from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
 from services.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,7 @@ async def read_json(request: Request, limit: int) -> Any:
         body += part
         if len(body) > limit:
             raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
-    if not body:
-        raise ValueError("the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(bytes(body))
-    except orjson.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON: {e}") from None
+    return decode_json(bytes(body))
 
 
 def build_app(gw: Gateway) -> Starlette:
@@ -63,7 +59,14 @@ def build_app(gw: Gateway) -> Starlette:
             return error(str(e), 400)
         if req.stream:
             return StreamingResponse(_sse(gw, req, states), media_type="text/event-stream")
-        result = await gw.requests.wait(req, states)
+        waiter = asyncio.ensure_future(gw.requests.wait(req, states))
+        while not (await asyncio.wait({waiter}, timeout=1.0))[0]:
+            if await request.is_disconnected():  # nobody to answer: wait() aborts what is unfinished
+                waiter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter
+                return Response(status_code=499)
+        result = waiter.result()
         failed = next((r for r in _as_list(result) if _server_error(r)), None)
         if failed is not None:
             reason = failed["meta_info"]["finish_reason"]

@@ -105,7 +105,9 @@ class Gateway:
                     f"no live worker: {', '.join(dead)} stopped answering for {self.cfg.worker_timeout:.0f} s"
                 )
                 log.error("%s; failing %d in-flight requests", msg, self.requests.in_flight)
+                rids = self.requests.active_rids()
                 self.requests.fail(msg)
+                await self.requests.abort(rids)  # the scheduler may be alive: free its KV
 
     def model_info(self) -> dict[str, Any]:
         return {

@@ -111,12 +111,15 @@ class ServerProcs:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Until the scheduler runs and queues nothing and the gateway tracks no request."""
+    def wait_idle(self, timeout: float = 30.0, gateway: bool = True) -> dict[str, Any]:
+        """Until the scheduler runs and queues nothing and (with `gateway`) the gateway tracks no
+        request either."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.info()
-            if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0 and not info["gateway"]["in_flight"]:
+            busy = info["num_running_reqs"] + info["num_queue_reqs"]
+            busy += info["gateway"]["in_flight"] if gateway else 0
+            if not busy:
                 return info
             assert time.monotonic() < deadline, (
                 f"not idle after {timeout} s: running {info['num_running_reqs']}, queued "
@@ -193,4 +196,3 @@ def tokenizer() -> Any:
     from shared.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_folder(None))
-
