@@ -27,12 +27,15 @@ class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class AbortReq(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Stop requests early. `finish` carries the finish reason when the detokenizer matched a stop string;
-    without it, the request is aborted (client went away, /abort_request)."""
+    """Stop requests early. `finish` carries the finish reason when the detokenizer ended the request
+    (a stop string, or tokens lost on the bus); without it, the request is aborted (client went away,
+    /abort_request). `reannounce`: the detokenizer never heard of the request (its announcement was
+    lost), so the scheduler sends its info again with the abort."""
 
     rids: list[str]
     reason: str = "aborted"
     finish: dict[str, Any] | None = None
+    reannounce: bool = False
 
 
 class NewReqInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -56,6 +59,8 @@ class BatchTokenOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     rids: list[str] = []
     token_ids: list[list[int]] = []  # tokens produced this step (usually one)
     cached_tokens: list[int] = []
+    # output tokens each request had before this step's: a gap means the bus lost a message
+    offsets: list[int] = []
     finish_reasons: list[dict[str, Any] | None] = []
 
 
@@ -63,6 +68,7 @@ class TextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     rid: str
     text: str  # delta since the last TextOut of this request
     output_ids: list[int]  # delta
+    offset: int = 0  # output ids sent before this delta: a gap means the bus lost a message
     finished: bool = False
     meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, finish_reason when finished
 

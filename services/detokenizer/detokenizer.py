@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.messages import BatchTextOut, BatchTokenOut, NewReqInfo, TextOut
+from shared.messages import AbortReq, BatchTextOut, BatchTokenOut, NewReqInfo, TextOut
 
 _FORGET_AFTER = 100_000  # finished rids remembered, to drop tokens that arrive after a stop string
 
@@ -35,25 +35,33 @@ class Detokenizer:
         self._states: dict[str, _State] = {}
         self._done: OrderedDict[str, None] = OrderedDict()
 
-    def step(self, msg: BatchTokenOut) -> tuple[dict[str, BatchTextOut], list[tuple[str, dict]]]:
-        """Returns the text outputs grouped by gateway subject, and the requests that hit a stop string
-        (rid, finish reason) so the scheduler can stop them."""
+    def step(self, msg: BatchTokenOut) -> tuple[dict[str, BatchTextOut], list[AbortReq]]:
+        """Returns the text outputs grouped by gateway subject, and what the scheduler must stop: requests
+        that hit a stop string, that lost tokens on the bus, or whose announcement never arrived."""
         for info in msg.new_reqs:
             if info.rid not in self._done:
                 self._states[info.rid] = _State(info)
         outs: dict[str, BatchTextOut] = {}
-        stopped: list[tuple[str, dict]] = []
-        for rid, tokens, cached, finish in zip(
-            msg.rids, msg.token_ids, msg.cached_tokens, msg.finish_reasons, strict=True
+        stopped: list[AbortReq] = []
+        for rid, tokens, cached, offset, finish in zip(
+            msg.rids, msg.token_ids, msg.cached_tokens, msg.offsets, msg.finish_reasons, strict=True
         ):
             st = self._states.get(rid)
             if st is None:
+                if rid not in self._done and finish is None:
+                    stopped.append(AbortReq(rids=[rid], finish=_lost("its start"), reannounce=True))
                 continue
-            st.ids.extend(tokens)
+            if offset != len(st.ids):  # NATS is at-most-once: fail loudly rather than return a gap
+                lost = _lost(f"{offset - len(st.ids)} tokens")
+                if finish is None:
+                    stopped.append(AbortReq(rids=[rid], finish=lost))
+                finish = lost
+            else:
+                st.ids.extend(tokens)
             matched = self._advance(st, finish)
             if matched is not None:
                 if finish is None:  # the scheduler is still generating: tell it to stop
-                    stopped.append((rid, {"type": "stop", "matched": matched}))
+                    stopped.append(AbortReq(rids=[rid], finish={"type": "stop", "matched": matched}))
                 finish = {"type": "stop", "matched": matched}
             out = self._out(st, finish, cached)
             outs.setdefault(st.info.out_subject, BatchTextOut()).outs.append(out)
@@ -95,7 +103,8 @@ class Detokenizer:
     def _out(self, st: _State, finish: dict | None, cached: int) -> TextOut:
         end = len(st.text) if finish is not None else len(st.text) - _stop_prefix_len(st.text, st.info.stop)
         end = max(end, st.sent_text)
-        out = TextOut(rid=st.info.rid, text=st.text[st.sent_text : end], output_ids=st.ids[st.sent_ids :])
+        out = TextOut(rid=st.info.rid, text=st.text[st.sent_text : end], output_ids=st.ids[st.sent_ids :],
+                      offset=st.sent_ids)  # fmt: skip
         st.sent_text, st.sent_ids = end, len(st.ids)
         if finish is not None:
             out.finished = True
@@ -106,6 +115,10 @@ class Detokenizer:
                 "finish_reason": finish,
             }
         return out
+
+
+def _lost(what: str) -> dict[str, Any]:
+    return {"type": "abort", "message": f"{what} lost on the bus (a NATS restart?)", "status_code": 503}
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

@@ -6,7 +6,7 @@ from typing import Any
 
 from services.detokenizer.detokenizer import Detokenizer
 from shared.heartbeat import Heartbeat
-from shared.messages import AbortReq, BatchTokenOut, Decoder, encode
+from shared.messages import BatchTokenOut, Decoder, encode
 from shared.transport import Message, Subjects, Subscription, Transport
 
 
@@ -35,5 +35,5 @@ class DetokenizerService:
         outs, stopped = self.detok.step(self._dec(m.data))
         for subject, batch in outs.items():
             await self.transport.publish(subject, encode(batch))
-        for rid, finish in stopped:
-            await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=[rid], finish=finish)))
+        for abort in stopped:
+            await self.transport.publish(self.subjects.abort, encode(abort))

@@ -25,6 +25,7 @@ class _State:
     meta: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    updated: float = field(default_factory=time.monotonic)  # last output, for the lost-request check
 
     def response(self) -> dict[str, Any]:
         meta = {
@@ -143,6 +144,11 @@ class RequestManager:
                 st.finished = True
                 st.changed.set()
 
+    def quiet_rids(self, seconds: float) -> list[str]:
+        """Unfinished requests that got no output for `seconds`."""
+        now = time.monotonic()
+        return [rid for rid, st in self._states.items() if not st.finished and now - st.updated > seconds]
+
     def active_rids(self) -> list[str]:
         return [rid for rid, st in self._states.items() if not st.finished]
 
@@ -195,7 +201,12 @@ class RequestManager:
     async def _on_text(self, m: Message) -> None:
         for out in self._dec(m.data).outs:
             st = self._states.get(out.rid)
-            if st is None:
+            if st is None or st.finished:
+                continue
+            st.updated = time.monotonic()
+            if out.offset != len(st.output_ids):  # NATS is at-most-once: fail loudly, never a gap
+                self.fail(f"{out.offset - len(st.output_ids)} output tokens lost on the bus", [st.rid])
+                await self.abort([st.rid])
                 continue
             st.text += out.text
             st.output_ids.extend(out.output_ids)

@@ -20,6 +20,7 @@ from shared.transport import Message, Subjects, Subscription, Transport
 
 log = logging.getLogger(__name__)
 _CTL_TIMEOUT_S = 5.0
+_LOST_CHECK_S = 3.0  # requests without output for this long are checked against the scheduler
 
 
 class Gateway:
@@ -48,6 +49,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._watch_workers()),
+            loop.create_task(self._watch_lost_requests()),
             loop.create_task(self._fetch_info_until_ready()),
         ]
 
@@ -94,6 +96,24 @@ class Gateway:
     async def _on_heartbeat(self, m: Message) -> None:
         beat = orjson.loads(m.data)
         self._seen[(beat["service"], beat["worker"])] = time.monotonic()
+
+    async def _watch_lost_requests(self) -> None:
+        """NATS is at-most-once: a request published while no scheduler listened (a NATS restart) is gone.
+        Requests quiet for a while are checked against what the scheduler holds; unknown ones fail."""
+        while True:
+            await asyncio.sleep(_LOST_CHECK_S)
+            quiet = self.requests.quiet_rids(_LOST_CHECK_S)
+            if not quiet:
+                continue
+            try:
+                known = set((await self.ctl("known_rids", {"rids": quiet}))["rids"])
+            except Exception:  # no scheduler answered in time (busy or down): the liveness check decides
+                continue
+            still_quiet = set(self.requests.quiet_rids(_LOST_CHECK_S))
+            lost = [rid for rid in quiet if rid in still_quiet and rid not in known]
+            if lost:
+                log.error("%d requests were lost on the bus: %s", len(lost), lost[:5])
+                self.requests.fail("the request was lost on the bus (a NATS restart?); send it again", lost)
 
     async def _watch_workers(self) -> None:
         while True:

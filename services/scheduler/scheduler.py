@@ -61,7 +61,9 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
-    def abort(self, rids: Iterable[str], finish: dict[str, Any] | None = None) -> None:
+    def abort(
+        self, rids: Iterable[str], finish: dict[str, Any] | None = None, reannounce: bool = False
+    ) -> None:
         """Abort requests (finish=None) or finish them with a reason found elsewhere (a stop string the
         detokenizer matched: it already told its client, so nothing more is sent)."""
         wanted = set(rids)
@@ -73,6 +75,7 @@ class Scheduler:
         for req in self.running:
             if req.rid in wanted and req.finish is None:
                 req.finish = finish or {"type": "abort", "message": "aborted"}
+                req.announced = req.announced and not reannounce
 
     def _finish_now(self, req: Req, message: str, status_code: int = 400) -> None:
         req.finish = {"type": "abort", "message": message, "status_code": status_code}
@@ -309,6 +312,7 @@ class Scheduler:
         out.rids.append(req.rid)
         out.token_ids.append(tokens)
         out.cached_tokens.append(req.cached_tokens or 0)
+        out.offsets.append(len(req.output) - len(tokens))
         out.finish_reasons.append(req.finish)
 
     def fail_running(self, message: str) -> BatchTokenOut | None:
@@ -322,6 +326,11 @@ class Scheduler:
             r.finish = r.finish or {"type": "abort", "message": message, "status_code": 500}
         self._release_finished()
         return self.take_output()
+
+    def known_rids(self, rids: Iterable[str]) -> list[str]:
+        """Which of these requests this scheduler is waiting on or running."""
+        wanted = set(rids)
+        return [r.rid for r in (*self.waiting, *self.running) if r.rid in wanted]
 
     # -- maintenance --------------------------------------------------------------------------
     def flush_cache(self) -> bool:

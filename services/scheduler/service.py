@@ -49,7 +49,9 @@ class SchedulerService:
         s = self.subjects
         self._subs.append(await self.transport.subscribe(s.req, self._on_req, queue="schedulers"))
         self._subs.append(await self.transport.subscribe(s.abort, self._on_abort))
-        for what, handler in (("server_info", self._on_server_info), ("flush_cache", self._on_flush_cache)):
+        ctl = (("server_info", self._on_server_info), ("flush_cache", self._on_flush_cache),
+               ("known_rids", self._on_known_rids))  # fmt: skip
+        for what, handler in ctl:
             self._subs.append(await self.transport.subscribe(s.ctl(what), handler, queue="schedulers"))
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
@@ -88,12 +90,18 @@ class SchedulerService:
 
     async def _on_abort(self, m: Message) -> None:
         msg = self._abort_dec(m.data)
-        self._put(lambda: self.scheduler.abort(msg.rids, msg.finish))
+        self._put(lambda: self.scheduler.abort(msg.rids, msg.finish, msg.reannounce))
 
     async def _on_server_info(self, m: Message) -> None:
         if m.reply:
             info = await self.call(self.server_info)
             await self.transport.publish(m.reply, orjson.dumps(info))
+
+    async def _on_known_rids(self, m: Message) -> None:
+        if m.reply:
+            rids = orjson.loads(m.data)["rids"]
+            known = await self.call(lambda s: s.known_rids(rids))
+            await self.transport.publish(m.reply, orjson.dumps({"rids": known}))
 
     async def _on_flush_cache(self, m: Message) -> None:
         if m.reply:
