@@ -100,6 +100,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for t in self.stop_token_ids:
             if not (0 <= t < vocab_size):
                 bad("stop_token_ids", f"token ids in [0, {vocab_size})")
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.lstrip("-").isdigit() or not 0 <= int(token) < vocab_size:
+                allowed = f"token ids in [0, {vocab_size})"
+                raise ValueError(f"sampling_params.logit_bias key {token!r} is invalid; allowed: {allowed}")
+            if not math.isfinite(bias):
+                raise ValueError(
+                    f"sampling_params.logit_bias[{token!r}] = {bias!r} is invalid; allowed: finite numbers"
+                )
         if any(not s for s in self.stop):
             bad("stop", "non-empty strings")
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
@@ -108,16 +116,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def unsupported(self) -> list[str]:
         """Parameters set to a non-default value that the engine cannot honour yet."""
         todo = {
-            "min_new_tokens": 0,
             "stop_regex": [],
-            "frequency_penalty": 0.0,
-            "presence_penalty": 0.0,
-            "repetition_penalty": 1.0,
             "regex": None,
             "json_schema": None,
             "ebnf": None,
             "structural_tag": None,
             "n": 1,
-            "logit_bias": None,
         }
         return [k for k, default in todo.items() if getattr(self, k) != default]

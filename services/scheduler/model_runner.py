@@ -86,6 +86,6 @@ class ModelRunner:
         return self.model(fb, self.attn)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, info: SamplingInfo, output_lens: list[int]) -> list[int]:
+    def sample(self, logits: torch.Tensor, info: SamplingInfo, output_lens: list[int]) -> torch.Tensor:
         positions = torch.tensor(output_lens, dtype=torch.int64, device=logits.device).unsqueeze(1)
-        return sample(logits, info, positions).tolist()
+        return sample(logits, info, positions)

@@ -24,7 +24,7 @@ class Req:
     __slots__ = (
         "rid", "prompt", "output", "sampling", "out_subject", "created", "arrival", "stop_ids",
         "num_cached", "num_computed", "last_node", "row", "cached_tokens", "finish", "announced",
-        "extend_len",
+        "extend_len", "min_new_mask",
     )  # fmt: skip
 
     def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...]) -> None:
@@ -37,6 +37,8 @@ class Req:
         self.arrival = time.monotonic()  # for the starvation bound
         s = msg.sampling
         self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else frozenset(eos_ids))
+        # min_new_tokens masks EOS and the stop ids (even with ignore_eos, as SGLang does)
+        self.min_new_mask = sorted(set(s.stop_token_ids) | set(eos_ids)) if s.min_new_tokens else []
         self.num_cached = 0
         self.num_computed = 0
         self.last_node: TreeNode | None = None

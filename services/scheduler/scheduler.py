@@ -22,6 +22,7 @@ from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.radix_cache import RadixCache
 from services.scheduler.request import Req
+from services.scheduler.sampling.penalties import Penalizer
 from services.scheduler.sampling.sampler import SamplingInfo
 from shared.config import EngineConfig
 from shared.messages import BatchTokenOut, GenerateReq, NewReqInfo
@@ -45,6 +46,7 @@ class Scheduler:
         self.ratio = config.new_token_ratio
         self._out = BatchTokenOut()
         self._sampling: tuple[tuple[str, ...], SamplingInfo] | None = None
+        self.penalizer = Penalizer(self.req_to_token.table.shape[0], self.vocab_size, runner.device)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "forward_s": 0.0, "step_s": 0.0, "retractions": 0}  # fmt: skip
 
@@ -161,6 +163,7 @@ class Scheduler:
             req.row = self.req_to_token.alloc()
             self.req_to_token.table[req.row, :cached] = match.indices
             req.last_node, req.num_cached, req.num_computed = match.last_node, cached, cached
+            self.penalizer.on_admit(req)
             if req.cached_tokens is None:
                 req.cached_tokens = min(cached, len(req.prompt))
                 self.stats["prompt_tokens"] += len(req.prompt)
@@ -239,7 +242,10 @@ class Scheduler:
         if self._sampling is None or self._sampling[0] != key:  # rebuilt only when the batch changes
             info = SamplingInfo.build([r.sampling for r in samplers], self.vocab_size, logits.device)
             self._sampling = (key, info)
-        return self.runner.sample(logits, self._sampling[1], [len(r.output) for r in samplers])
+        self.penalizer.apply(logits, samplers)
+        tokens = self.runner.sample(logits, self._sampling[1], [len(r.output) for r in samplers])
+        self.penalizer.on_sample(samplers, tokens)
+        return tokens.tolist()
 
     def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int]) -> None:
         prefilled = [r for r in batch if r.extend_len > 1]

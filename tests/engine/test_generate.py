@@ -89,8 +89,10 @@ def test_rid_and_bad_input(engine):
     assert [o["meta_info"]["id"] for o in outs] == ["batch_0", "batch_1"]
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(PROMPT, {"top_p": 1.5})
-    with pytest.raises(ValueError, match="frequency_penalty"):
-        engine.generate(PROMPT, {"frequency_penalty": 0.5})
+    with pytest.raises(ValueError, match="cannot be honoured yet"):
+        engine.generate(PROMPT, {"n": 2})
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        engine.generate(PROMPT, {"repetition_penalty": 0})
     with pytest.raises(ValueError, match="bogus"):
         engine.generate(PROMPT, {"bogus": 1})
     with pytest.raises(ValueError, match="input_ids"):

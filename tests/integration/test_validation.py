@@ -85,12 +85,9 @@ BAD: dict[str, tuple[Any, list[str]]] = {
         ["top_logprobs_num", "not supported yet"],
     ),
     "image_data_not_yet": ({"text": "hi", "image_data": "cat.png"}, ["image_data", "not supported yet"]),
-    "frequency_penalty_not_yet": (sp(frequency_penalty=0.5), ["frequency_penalty", "cannot be honoured yet"]),
     "regex_not_yet": (sp(regex="[0-9]+"), ["regex", "cannot be honoured yet"]),
-    "min_new_tokens_not_yet": (
-        sp(min_new_tokens=1, max_new_tokens=2),
-        ["min_new_tokens", "cannot be honoured yet"],
-    ),
+    "logit_bias_bad_token": (sp(logit_bias={"999999": 1.0}), ["logit_bias", "token ids in [0, 49152)"]),
+    "logit_bias_not_an_id": (sp(logit_bias={"abc": 1.0}), ["logit_bias", "token ids"]),
     "n_2_not_yet": (sp(n=2), ["n", "cannot be honoured yet"]),
 }
 

@@ -34,6 +34,7 @@ class Penalizer:
         self._plan_key: tuple[str, ...] | None = None
         self._plan: _Plan | None = None
 
+    @torch.inference_mode()  # the logits are inference tensors; the state must be too
     def on_admit(self, req: Req) -> None:
         """A request got a row: rebuild its state (its output is non-empty after a retraction)."""
         if not uses_counts(req):
@@ -50,6 +51,7 @@ class Penalizer:
         if req.sampling.repetition_penalty != 1.0:
             self.in_prompt[row, torch.tensor(req.prompt, dtype=torch.int64, device=self.device)] = True
 
+    @torch.inference_mode()
     def apply(self, logits: torch.Tensor, reqs: Sequence[Req]) -> None:
         plan = self._plan_for(reqs)
         if plan is None:
@@ -69,13 +71,14 @@ class Penalizer:
         rows, cols = [], []
         for i, r in plan.min_new:
             if len(r.output) < r.sampling.min_new_tokens:
-                ids = r.stop_ids_always
+                ids = r.min_new_mask
                 rows += [i] * len(ids)
                 cols += ids
         if rows:
             dev = logits.device
             logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
 
+    @torch.inference_mode()
     def on_sample(self, reqs: Sequence[Req], tokens: torch.Tensor) -> None:
         plan = self._plan
         if plan is None or plan.count_idx is None or self._plan_key != _key(reqs):

@@ -1,0 +1,106 @@
+"""Batched penalties against a plain per-request reference (no model)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from services.scheduler.request import Req
+from services.scheduler.sampling.penalties import Penalizer
+from shared.messages import GenerateReq
+from shared.sampling_params import SamplingParams
+
+V, EOS = 50, 2
+
+
+def make_req(rid: str, row: int, prompt: list[int], output: list[int], **params) -> Req:
+    r = Req(
+        GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(**params), out_subject="x"), (EOS,)
+    )
+    r.row, r.output = row, list(output)
+    return r
+
+
+def reference(logits: torch.Tensor, r: Req) -> torch.Tensor:
+    """One request, one token at a time, straight from the definitions."""
+    s, out = r.sampling, logits.clone()
+    for t in range(V):
+        count = r.output.count(t)
+        out[t] -= s.frequency_penalty * count + s.presence_penalty * (count > 0)
+        if s.repetition_penalty != 1.0 and (count or t in r.prompt):
+            out[t] = out[t] / s.repetition_penalty if out[t] > 0 else out[t] * s.repetition_penalty
+    for token, bias in (s.logit_bias or {}).items():
+        out[int(token)] += bias
+    if len(r.output) < s.min_new_tokens:
+        for t in {EOS, *s.stop_token_ids}:
+            out[t] = float("-inf")
+    return out
+
+
+def test_mixed_batch_matches_the_reference_over_several_steps():
+    rng = random.Random(0)
+    reqs = [
+        make_req("plain", 0, [1, 5, 7], []),
+        make_req("freq", 1, [3, 4], [], frequency_penalty=0.7),
+        make_req("pres", 2, [3, 4], [], presence_penalty=-1.2),
+        make_req("rep", 3, [9, 10, 11], [], repetition_penalty=1.6),
+        make_req(
+            "all",
+            4,
+            [12, 13],
+            [],
+            frequency_penalty=1.1,
+            presence_penalty=0.5,
+            repetition_penalty=0.4,
+            min_new_tokens=3,
+            stop_token_ids=[7],
+            logit_bias={"20": 5.0, "21": -3.0},
+        ),  # fmt: skip
+        make_req("bias", 5, [1], [], logit_bias={"0": 2.5}),
+    ]
+    pen = Penalizer(8, V, torch.device("cpu"))
+    for r in reqs:
+        pen.on_admit(r)
+    for _ in range(6):
+        logits = torch.randn(len(reqs), V) * 3
+        expected = torch.stack([reference(logits[i], r) for i, r in enumerate(reqs)])
+        got = logits.clone()
+        pen.apply(got, reqs)
+        assert torch.allclose(got, expected, atol=1e-5, equal_nan=True)
+        tokens = torch.tensor([rng.randrange(V) for _ in reqs])
+        pen.on_sample(reqs, tokens)
+        for r, t in zip(reqs, tokens.tolist(), strict=True):
+            r.output.append(t)
+
+
+def test_readmission_rebuilds_counts_from_the_output_so_far():
+    r = make_req("r", 2, [4, 5], [6, 6, 8], frequency_penalty=1.0, repetition_penalty=2.0)
+    pen = Penalizer(4, V, torch.device("cpu"))
+    pen.on_admit(r)  # e.g. after a retraction: the row is new, the output is not
+    logits = torch.randn(1, V)
+    got = logits.clone()
+    pen.apply(got, [r])
+    assert torch.allclose(got[0], reference(logits[0], r), atol=1e-6)
+
+
+def test_min_new_tokens_mask_lifts_once_reached():
+    r = make_req("m", 0, [1], [], min_new_tokens=2, stop_token_ids=[9])
+    pen = Penalizer(2, V, torch.device("cpu"))
+    pen.on_admit(r)
+    for step in range(3):
+        got = torch.zeros(1, V)
+        pen.apply(got, [r])
+        masked = bool(torch.isinf(got[0, EOS])) and bool(torch.isinf(got[0, 9]))
+        assert masked == (step < 2)
+        r.output.append(30)
+
+
+def test_requests_without_penalties_cost_nothing():
+    pen = Penalizer(2, V, torch.device("cpu"))
+    r = make_req("p", 0, [1], [])
+    pen.on_admit(r)
+    logits = torch.randn(1, V)
+    got = logits.clone()
+    pen.apply(got, [r])
+    assert torch.equal(got, logits) and pen.out_counts is None
