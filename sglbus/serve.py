@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedded NATS (JetStream on) at {nats_url}", flush=True)
     else:
         nats_url = args.nats_url
+
     def pick(*names: str) -> dict:
         return {k: engine[k] for k in names if k in engine}
 
