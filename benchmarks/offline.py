@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     c.add_argument("--hf-batch-size", type=int, default=16)
     c.add_argument("--compare-no-cache", action="store_true", help="also run the engine without radix cache")
     c.add_argument("--output-file", default=None, help="append one JSONL row with all figures")
+    example = '{"frequency_penalty": 1.1}'
+    e.add_argument("--extra-sampling-params", type=json.loads, default={},
+                   help=f"JSON merged into every request's sampling_params, e.g. '{example}'")  # fmt: skip
     args = p.parse_args(argv)
     if args.disable_radix_cache and args.compare_no_cache:
         p.error("--compare-no-cache compares against the radix cache; drop --disable-radix-cache")
@@ -84,7 +87,8 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         if not engine.flush_cache():
             raise RuntimeError("flush_cache refused after the warmup: the engine still has work")
         before = engine.get_stats()
-        params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for _, n in workload]
+        extra = args.extra_sampling_params
+        params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **extra} for _, n in workload]
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=[ids for ids, _ in workload], sampling_params=params)
         duration = time.perf_counter() - t0
