@@ -34,6 +34,17 @@ def hf_model():
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def engine():
+    """One default-model Engine shared by a test module; integrity-checked and shut down after it."""
+    from sglbus import Engine
+
+    e = Engine()
+    yield e
+    e.check_integrity()
+    e.shutdown()
+
+
 @pytest.fixture
 def make_engine():
     """make_engine(**options) -> Engine on the default model; integrity-checked and shut down after."""

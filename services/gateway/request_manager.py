@@ -159,27 +159,6 @@ class RequestManager:
     async def abort(self, rids: list[str]) -> None:
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
 
-    async def _submit(self, req: GenerateInput) -> list[_State]:
-        states = []
-        msgs = []
-        for p in req.prompts:
-            ids = self._tokenize(p)
-            p.sampling.verify(self.vocab_size)
-            todo = p.sampling.unsupported()
-            if todo:
-                raise ValueError(
-                    f"sampling parameter(s) {', '.join(todo)} cannot be honoured yet; leave them unset"
-                )
-            if p.rid in self._states:
-                raise ValueError(f"rid {p.rid!r} is already in use")
-            states.append(_State(p.rid, len(ids), time.time()))
-            msgs.append(GenerateReq(rid=p.rid, input_ids=ids, sampling=p.sampling,
-                                    out_subject=self.out_subject, created=time.time()))  # fmt: skip
-        for st, msg in zip(states, msgs, strict=True):
-            self._states[st.rid] = st
-            await self.transport.publish(self.subjects.req, encode(msg))
-        return states
-
     def _tokenize(self, p: Prompt) -> list[int]:
         if p.input_ids is not None:
             bad = [t for t in p.input_ids if not 0 <= t < self.vocab_size]

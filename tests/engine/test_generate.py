@@ -10,16 +10,6 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from sglbus import Engine
-
-    e = Engine()
-    yield e
-    e.check_integrity()
-    e.shutdown()
-
-
 def test_stop_token_ids_and_eos(engine):
     ref = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
     stop_at = ref["output_ids"][5]

@@ -11,16 +11,6 @@ CHAT = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from sglbus import Engine
-
-    e = Engine()
-    yield e
-    e.check_integrity()
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
 def plain(engine):
     return [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
 
