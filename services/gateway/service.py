@@ -103,7 +103,8 @@ class Gateway:
         while True:
             await asyncio.sleep(_LOST_CHECK_S)
             quiet = self.requests.quiet_rids(_LOST_CHECK_S)
-            if not quiet:
+            # known_rids asks one scheduler: with several workers a request could live on another one
+            if not quiet or len({w for svc, w in self._seen if svc == "scheduler"}) != 1:
                 continue
             try:
                 known = set((await self.ctl("known_rids", {"rids": quiet}))["rids"])
