@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -29,6 +30,24 @@ async def wait_for_signal() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+async def serve_on_bus(name: str, nats_url: str, make_service: Callable[[Any], Service]) -> None:
+    """Connect to NATS, build and start the service, run until SIGINT/SIGTERM, stop it, disconnect."""
+    from shared.nats_transport import NatsTransport
+
+    transport = await NatsTransport.connect(nats_url, name=name)
+    service = make_service(transport)
+    await service.start()
+    logging.getLogger(name).info("%s ready", name)
+    await wait_for_signal()
+    await service.stop()
+    await transport.close()
 
 
 def run(name: str, amain: Callable[[], Awaitable[None]]) -> None:

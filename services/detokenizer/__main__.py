@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from services.detokenizer.service import DetokenizerService
 from shared.model_files import resolve_model_folder
-from shared.nats_transport import NatsTransport
-from shared.service_main import add_bus_args, run, wait_for_signal
+from shared.service_main import add_bus_args, run, serve_on_bus
 from shared.tokenizer import load_tokenizer
-
-log = logging.getLogger("services.detokenizer")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,13 +25,11 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(
             args.tokenizer_path or resolve_model_folder(args.model_path, need_weights=False)
         )
-        transport = await NatsTransport.connect(args.nats_url, name=f"detokenizer-{args.worker_id}")
-        service = DetokenizerService(tokenizer, transport, args.subject_prefix, args.worker_id)
-        await service.start()
-        log.info("detokenizer %s ready", args.worker_id)
-        await wait_for_signal()
-        await service.stop()
-        await transport.close()
+        await serve_on_bus(
+            f"detokenizer-{args.worker_id}",
+            args.nats_url,
+            lambda bus: DetokenizerService(tokenizer, bus, args.subject_prefix, args.worker_id),
+        )
 
     run("detokenizer", amain)
 

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from services.scheduler.service import SchedulerService
 from shared.config import EngineConfig, add_cli_args, cli_overrides
-from shared.nats_transport import NatsTransport
-from shared.service_main import add_bus_args, run, wait_for_signal
-
-log = logging.getLogger("services.scheduler")
+from shared.service_main import add_bus_args, run, serve_on_bus
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,13 +17,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = EngineConfig.from_env(**cli_overrides(args, EngineConfig))
 
     async def amain() -> None:
-        transport = await NatsTransport.connect(args.nats_url, name=f"scheduler-{cfg.worker_id}")
-        service = SchedulerService(cfg, transport)  # loads the model (seconds) before subscribing
-        await service.start()
-        log.info("scheduler %s ready: %s", cfg.worker_id, service.runner.model_config.architecture)
-        await wait_for_signal()
-        await service.stop()
-        await transport.close()
+        # the service loads the model (seconds) before it subscribes
+        await serve_on_bus(
+            f"scheduler-{cfg.worker_id}", args.nats_url, lambda bus: SchedulerService(cfg, bus)
+        )
 
     run("scheduler", amain)
 
