@@ -5,6 +5,8 @@ alternately through (a) HTTP `POST /generate` and (b) the bus API (a NATS reques
 `<prefix>.api.generate`). Around each request, outside the timed span, `GET /get_server_info` reads the
 scheduler's cumulative `stats.step_s`; with one request in flight the delta is that request's scheduler
 time, and added latency = e2e - scheduler step time (client, HTTP, gateway, NATS hops, detokenizer).
+The gateway's own `stats.bus_s` (request published -> final output received) gives the bus path proper
+(gateway -> scheduler -> detokenizer -> gateway): bus path added = that delta - scheduler step time.
 For reference, a bare NATS request/reply round trip (two client connections, an echo responder) on
 the same NATS server.
 
@@ -67,7 +69,8 @@ def _check(resp: Any) -> None:
 async def _stats(client: httpx.AsyncClient, base: str) -> dict[str, Any]:
     r = await client.get(base + "/get_server_info")
     r.raise_for_status()
-    return r.json()["stats"]
+    info = r.json()
+    return {**info["stats"], "bus_s": info.get("gateway", {}).get("stats", {}).get("bus_s", float("nan"))}
 
 
 async def _nats_rtt(nats_url: str, n: int) -> list[float]:
@@ -113,7 +116,7 @@ async def measure(args: argparse.Namespace, base: str, nats_url: str) -> dict[st
             _check(orjson.loads((await nc.request(f"{prefix}.api.generate", body, timeout=60)).data))
 
         paths: dict[str, Send] = {"http": via_http, "bus": via_bus}
-        rows: dict[str, list[tuple[float, float, float, int]]] = {k: [] for k in paths}
+        rows: dict[str, list[tuple[float, float, float, int, float]]] = {k: [] for k in paths}
         try:
             for i in range(args.warmup + args.num_requests):
                 for name, send in paths.items():  # alternate, so drifting machine load hits both alike
@@ -125,8 +128,9 @@ async def measure(args: argparse.Namespace, base: str, nats_url: str) -> dict[st
                     e2e = time.perf_counter() - t0
                     after = await _stats(client, base)
                     if i >= args.warmup:
-                        d = {k: after[k] - before[k] for k in ("step_s", "forward_s", "steps")}
-                        rows[name].append((e2e * 1000, d["step_s"] * 1000, d["forward_s"] * 1000, d["steps"]))
+                        d = {k: after[k] - before[k] for k in ("step_s", "forward_s", "steps", "bus_s")}
+                        ms = [d[k] * 1000 for k in ("step_s", "forward_s", "bus_s")]
+                        rows[name].append((e2e * 1000, ms[0], ms[1], d["steps"], ms[2]))
         finally:
             await nc.close()
     rtt = await _nats_rtt(nats_url, args.num_requests)
@@ -137,6 +141,7 @@ async def measure(args: argparse.Namespace, base: str, nats_url: str) -> dict[st
     for name, rs in rows.items():
         e2e = [r[0] for r in rs]
         added = [r[0] - r[1] for r in rs]
+        bus = [r[4] - r[1] for r in rs]
         result[name] = {
             "e2e_median_ms": percentile(e2e, 50),
             "e2e_p90_ms": percentile(e2e, 90),
@@ -147,6 +152,8 @@ async def measure(args: argparse.Namespace, base: str, nats_url: str) -> dict[st
             "added_median_ms": percentile(added, 50),
             "added_p90_ms": percentile(added, 90),
             "added_p99_ms": percentile(added, 99),
+            "bus_added_median_ms": percentile(bus, 50),
+            "bus_added_p90_ms": percentile(bus, 90),
         }
     return result
 
@@ -161,7 +168,9 @@ def print_block(args: argparse.Namespace, r: dict[str, Any]) -> None:
               ("P99 E2E (ms):", "e2e_p99_ms"), ("Median scheduler step time (ms):", "step_median_ms"),
               ("Median forward time (ms):", "forward_median_ms"), ("Steps per request:", "steps_per_request"),
               ("Median added latency (ms):", "added_median_ms"), ("P90 added latency (ms):", "added_p90_ms"),
-              ("P99 added latency (ms):", "added_p99_ms")]  # fmt: skip
+              ("P99 added latency (ms):", "added_p99_ms"),
+              ("Median bus path added (ms):", "bus_added_median_ms"),
+              ("P90 bus path added (ms):", "bus_added_p90_ms")]  # fmt: skip
     for name, title in titles.items():
         print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for label, key in labels:

@@ -103,7 +103,7 @@ def build_app(gw: Gateway) -> Starlette:
         except Exception as e:
             return error(f"no scheduler answered: {e}", 503)
         gateway = {"max_body_bytes": limit, "in_flight": gw.requests.in_flight,
-                   "uptime_s": round(time.time() - gw.started, 3)}  # fmt: skip
+                   "uptime_s": round(time.time() - gw.started, 3), "stats": gw.requests.stats}  # fmt: skip
         return json_response({**info, "version": sglbus.__version__, "gateway": gateway})
 
     async def flush_cache(request: Request) -> Response:

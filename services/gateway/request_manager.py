@@ -26,6 +26,7 @@ class _State:
     finished: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     updated: float = field(default_factory=time.monotonic)  # last output, for the lost-request check
+    published: float = 0.0  # perf_counter when the request went on the bus
 
     def response(self) -> dict[str, Any]:
         meta = {
@@ -60,6 +61,10 @@ class RequestManager:
         self._states: dict[str, _State] = {}
         self._dec = Decoder(BatchTextOut)
         self._sub: Subscription | None = None
+        # bus_s: summed time from publishing a request to its final output arriving (the bus path:
+        # scheduler, detokenizer and their NATS hops); with one request in flight, minus the
+        # scheduler's step time, it is what the bus adds (benchmarks/bus_latency.py)
+        self.stats: dict[str, float] = {"finished": 0, "bus_s": 0.0}
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.out_subject, self._on_text)
@@ -100,6 +105,7 @@ class RequestManager:
                                     out_subject=self.out_subject, created=now))  # fmt: skip
         for st, msg in zip(states, msgs, strict=True):
             self._states[st.rid] = st
+            st.published = time.perf_counter()
             await self.transport.publish(self.subjects.req, encode(msg))
         return states
 
@@ -192,4 +198,6 @@ class RequestManager:
             if out.finished:
                 st.meta.update(out.meta)
                 st.finished = True
+                self.stats["finished"] += 1
+                self.stats["bus_s"] += time.perf_counter() - st.published
             st.changed.set()

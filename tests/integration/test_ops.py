@@ -45,6 +45,18 @@ def test_server_info(client, path):
     assert info["kv_integrity_error"] is None
 
 
+def test_gateway_times_the_bus_path(srv, client):
+    """gateway.stats.bus_s grows by at least the request's scheduler step time (the bus path holds it)."""
+    srv.wait_idle()
+    before = client.get("/get_server_info").json()
+    generate(client, {"text": f"Bus path {uuid.uuid4().hex}", "sampling_params": greedy(2)})
+    after = client.get("/get_server_info").json()
+    bus = after["gateway"]["stats"]["bus_s"] - before["gateway"]["stats"]["bus_s"]
+    step = after["stats"]["step_s"] - before["stats"]["step_s"]
+    assert after["gateway"]["stats"]["finished"] == before["gateway"]["stats"]["finished"] + 1
+    assert bus >= step > 0
+
+
 def test_flush_cache_when_idle_empties_the_prefix_cache(srv, client):
     body = {"text": f"Flush test {uuid.uuid4().hex}: the weather today", "sampling_params": greedy(2)}
     generate(client, body)
