@@ -68,10 +68,25 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        return_logprob: bool | list[bool] | None = None,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_text_in_logprobs: bool | None = None,
+        return_flat_raw_top_logprobs: bool | None = None,
+        return_flat_raw_top_logprobs_b64: bool | None = None,
+        return_output_top_logprobs_b64: bool | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
-        """SGLang's `/generate` response: a dict, a list of dicts for batch input, or with stream=True
-        an iterator of chunks (cumulative text; batch chunks carry `index`)."""
-        obj = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid}
+        """SGLang's `/generate` response: a dict, a list of dicts for batch input or n > 1, or with
+        stream=True an iterator of chunks (cumulative text and logprobs; batch chunks carry `index`).
+        The logprob arguments are `/generate`'s fields of the same names."""
+        obj = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+               "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+               "top_logprobs_num": top_logprobs_num, "token_ids_logprob": token_ids_logprob,
+               "return_text_in_logprobs": return_text_in_logprobs,
+               "return_flat_raw_top_logprobs": return_flat_raw_top_logprobs,
+               "return_flat_raw_top_logprobs_b64": return_flat_raw_top_logprobs_b64,
+               "return_output_top_logprobs_b64": return_output_top_logprobs_b64}  # fmt: skip
         if stream:
             return self._stream(obj)
         return self._run(self.requests.generate(obj))

@@ -16,6 +16,14 @@ import msgspec
 from shared.sampling_params import SamplingParams
 
 
+class LogprobReq(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What logprobs a request wants (present only when it asked for any)."""
+
+    start_len: int = -1  # first prompt position with an input logprob; -1: output tokens only
+    top_k: int = 0  # top logprobs per position
+    token_ids: list[int] = []  # logprobs of these ids at every position
+
+
 class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A tokenized request, gateway -> scheduler."""
 
@@ -24,6 +32,23 @@ class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     sampling: SamplingParams
     out_subject: str  # where the detokenizer sends this request's text
     created: float = 0.0  # gateway wall-clock time, for latency accounting
+    logprob: LogprobReq | None = None
+
+
+class LogprobOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Logprobs one request gained since its last output, as raw little-endian arrays (float32 values,
+    int32 ids; msgpack bin, never lists of floats). Input rows continue the prompt positions sent
+    before (the first is max(start_len, 1)); output rows belong to this output's token ids, in order.
+    Shapes: token [m], top [m, top_k], ids [m, len(token_ids)]."""
+
+    input_token: bytes = b""
+    input_top_val: bytes = b""
+    input_top_idx: bytes = b""
+    input_ids_val: bytes = b""
+    output_token: bytes = b""
+    output_top_val: bytes = b""
+    output_top_idx: bytes = b""
+    output_ids_val: bytes = b""
 
 
 class AbortReq(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -62,6 +87,7 @@ class BatchTokenOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     # output tokens each request had before this step's: a gap means the bus lost a message
     offsets: list[int] = []
     finish_reasons: list[dict[str, Any] | None] = []
+    logprobs: list[LogprobOut | None] = []  # empty when no request in the step asked for logprobs
 
 
 class TextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -71,6 +97,7 @@ class TextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     offset: int = 0  # output ids sent before this delta: a gap means the bus lost a message
     finished: bool = False
     meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, finish_reason when finished
+    logprobs: LogprobOut | None = None
 
 
 class BatchTextOut(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -121,6 +121,5 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "json_schema": None,
             "ebnf": None,
             "structural_tag": None,
-            "n": 1,
         }
         return [k for k, default in todo.items() if getattr(self, k) != default]

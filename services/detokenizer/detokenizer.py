@@ -43,8 +43,9 @@ class Detokenizer:
                 self._states[info.rid] = _State(info)
         outs: dict[str, BatchTextOut] = {}
         stopped: list[AbortReq] = []
-        for rid, tokens, cached, offset, finish in zip(
-            msg.rids, msg.token_ids, msg.cached_tokens, msg.offsets, msg.finish_reasons, strict=True
+        logprobs = msg.logprobs or [None] * len(msg.rids)
+        for rid, tokens, cached, offset, finish, lp in zip(
+            msg.rids, msg.token_ids, msg.cached_tokens, msg.offsets, msg.finish_reasons, logprobs, strict=True
         ):
             st = self._states.get(rid)
             if st is None:
@@ -64,6 +65,7 @@ class Detokenizer:
                     stopped.append(AbortReq(rids=[rid], finish={"type": "stop", "matched": matched}))
                 finish = {"type": "stop", "matched": matched}
             out = self._out(st, finish, cached)
+            out.logprobs = lp
             outs.setdefault(st.info.out_subject, BatchTextOut()).outs.append(out)
             if finish is not None:
                 del self._states[rid]

@@ -10,19 +10,14 @@ from typing import Any
 
 import orjson
 
+from services.gateway.logprob_options import FIELDS as LOGPROB_FIELDS
+from services.gateway.logprob_options import LogprobOptions, parse_logprob_options
 from shared.sampling_params import SamplingParams
 
 # fields the engine honours
-SUPPORTED = ("text", "input_ids", "sampling_params", "rid", "stream", "log_metrics")
+SUPPORTED = ("text", "input_ids", "sampling_params", "rid", "stream", "log_metrics", *LOGPROB_FIELDS)
 # fields SGLang accepts that the engine cannot honour yet: accepted when null/false/default, else 400
 NOT_YET = {
-    "return_logprob": False,
-    "logprob_start_len": -1,
-    "top_logprobs_num": 0,
-    "token_ids_logprob": None,
-    "return_text_in_logprobs": False,
-    "return_flat_raw_top_logprobs": False,
-    "return_flat_raw_top_logprobs_b64": False,
     "image_data": None,
     "video_data": None,
     "audio_data": None,
@@ -54,6 +49,7 @@ class Prompt:
     text: str | None
     input_ids: list[int] | None
     sampling: SamplingParams
+    logprob: LogprobOptions | None = None
 
 
 @dataclass
@@ -89,11 +85,15 @@ def parse_generate_input(obj: Any) -> GenerateInput:
     stream = obj.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ValueError("stream must be true or false")
+    if len({p.n for p in params}) > 1:
+        raise ValueError("sampling_params.n must be the same for every prompt of a batch")
+    logprobs = parse_logprob_options(obj, n)
     prompts = [
-        Prompt(r, t, i, p)
-        for r, (t, i), p in zip(_rids(obj.get("rid"), n, is_batch), items, params, strict=True)
+        Prompt(r, t, i, p, lp)
+        for r, (t, i), p, lp in zip(_rids(obj.get("rid"), n, is_batch), items, params, logprobs, strict=True)
     ]
-    return GenerateInput(prompts, is_batch, bool(stream))
+    # n > 1: one response per sample, grouped prompt by prompt, always a list (as SGLang)
+    return GenerateInput(prompts, is_batch or params[0].n > 1, bool(stream))
 
 
 def _check_fields(obj: dict[str, Any]) -> None:

@@ -4,13 +4,17 @@ text, and shape SGLang's `/generate` response (one dict per prompt, cumulative t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
+from services.gateway.logprob_meta import LogprobAccumulator
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, encode
 from shared.transport import Message, Subjects, Subscription, Transport
 
@@ -27,6 +31,8 @@ class _State:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     updated: float = field(default_factory=time.monotonic)  # last output, for the lost-request check
     published: float = 0.0  # perf_counter when the request went on the bus
+    logprobs: LogprobAccumulator | None = None
+    token_texts: Callable[[list[int]], list[str]] | None = None  # for return_text_in_logprobs
 
     def response(self) -> dict[str, Any]:
         meta = {
@@ -37,6 +43,9 @@ class _State:
             "finish_reason": None,
             **self.meta,
         }
+        if self.logprobs is not None:
+            assert self.token_texts is not None
+            meta.update(self.logprobs.meta(self.output_ids, self.token_texts))
         if self.finished:
             meta["e2e_latency"] = time.time() - self.created
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
@@ -65,6 +74,7 @@ class RequestManager:
         # scheduler, detokenizer and their NATS hops); with one request in flight, minus the
         # scheduler's step time, it is what the bus adds (benchmarks/bus_latency.py)
         self.stats: dict[str, float] = {"finished": 0, "bus_s": 0.0}
+        self._texts: dict[int, str] = {}  # token id -> its text alone, for return_text_in_logprobs
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.out_subject, self._on_text)
@@ -84,25 +94,53 @@ class RequestManager:
             yield chunk
 
     async def submit(self, req: GenerateInput) -> list[_State]:
-        """Tokenize, validate and publish every prompt; ValueError (nothing published) on bad input."""
-        states, msgs = [], []
-        for p in req.prompts:
-            ids = self._tokenize(p)
-            p.sampling.verify(self.vocab_size)
-            todo = p.sampling.unsupported()
-            if todo:
-                raise ValueError(
-                    f"sampling parameter(s) {', '.join(todo)} cannot be honoured yet; leave them unset"
-                )
-            if self.context_len is not None and len(ids) >= self.context_len:
-                limit = self.context_len - 1
-                raise ValueError(f"the prompt has {len(ids)} tokens; at most {limit} fit the context length")
-            if p.rid in self._states:
+        """Tokenize, validate and publish every prompt; ValueError (nothing published) on bad input.
+        n > 1: each prompt is prefilled once (a max_new_tokens=0 request that leaves it in the prefix
+        cache), then its n samples go out, `{rid}_{j}`, with seeds derived from sampling_seed."""
+        prompts = [dataclasses.replace(p, text=None, input_ids=self._validate(p)) for p in req.prompts]
+        n = prompts[0].sampling.n
+        if n == 1:
+            return await self._publish(prompts)
+        warm = [_warm_prompt(p) for p in prompts if p.sampling.max_new_tokens > 0]
+        if warm:
+            await self.wait(GenerateInput(warm, True, False), await self._publish(warm))
+        return await self._publish([_nth_sample(p, j) for p in prompts for j in range(n)])
+
+    def _validate(self, p: Prompt) -> list[int]:
+        """The prompt's token ids, after every check that needs the tokenizer or the vocabulary."""
+        ids = self._tokenize(p)
+        p.sampling.verify(self.vocab_size)
+        todo = p.sampling.unsupported()
+        if todo:
+            names = ", ".join(todo)
+            raise ValueError(f"sampling parameter(s) {names} cannot be honoured yet; leave them unset")
+        if self.context_len is not None and len(ids) >= self.context_len:
+            limit = self.context_len - 1
+            raise ValueError(f"the prompt has {len(ids)} tokens; at most {limit} fit the context length")
+        asked = p.logprob.token_ids or [] if p.logprob else []
+        bad = [t for t in asked if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token_ids_logprob has id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    async def _publish(self, prompts: list[Prompt]) -> list[_State]:
+        states, msgs, rids = [], [], set()
+        for p in prompts:
+            assert p.input_ids is not None
+            if p.rid in self._states or p.rid in rids:
                 raise ValueError(f"rid {p.rid!r} is already in use")
+            rids.add(p.rid)
             now = time.time()
-            states.append(_State(p.rid, len(ids), now))
-            msgs.append(GenerateReq(rid=p.rid, input_ids=ids, sampling=p.sampling,
-                                    out_subject=self.out_subject, created=now))  # fmt: skip
+            st = _State(p.rid, len(p.input_ids), now)
+            if p.logprob is not None:
+                st.logprobs = LogprobAccumulator(p.logprob, p.input_ids)
+                st.token_texts = self.token_texts
+            states.append(st)
+            msgs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
+                                    out_subject=self.out_subject, created=now,
+                                    logprob=p.logprob.request() if p.logprob else None))  # fmt: skip
         for st, msg in zip(states, msgs, strict=True):
             self._states[st.rid] = st
             st.published = time.perf_counter()
@@ -165,6 +203,16 @@ class RequestManager:
     async def abort(self, rids: list[str]) -> None:
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's text on its own (SGLang's return_text_in_logprobs)."""
+        cache, out = self._texts, []
+        for t in ids:
+            text = cache.get(t)
+            if text is None:
+                text = cache[t] = self.tokenizer.decode([t])
+            out.append(text)
+        return out
+
     def _tokenize(self, p: Prompt) -> list[int]:
         if p.input_ids is not None:
             bad = [t for t in p.input_ids if not 0 <= t < self.vocab_size]
@@ -195,9 +243,29 @@ class RequestManager:
                 continue
             st.text += out.text
             st.output_ids.extend(out.output_ids)
+            if out.logprobs is not None and st.logprobs is not None:
+                st.logprobs.add(out.logprobs)
             if out.finished:
                 st.meta.update(out.meta)
                 st.finished = True
                 self.stats["finished"] += 1
                 self.stats["bus_s"] += time.perf_counter() - st.published
             st.changed.set()
+
+
+_SEED_STEP = 0x9E3779B97F4A7C15  # odd: sample j of seed s uses s + j * step (mod 2^63), distinct per j
+
+
+def _warm_prompt(p: Prompt) -> Prompt:
+    """Prefill only, to leave the prompt in the prefix cache for its n samples."""
+    sampling = msgspec.structs.replace(p.sampling, n=1, max_new_tokens=0, min_new_tokens=0)
+    rid = f"{p.rid}_prefill_{uuid.uuid4().hex[:8]}"
+    return dataclasses.replace(p, rid=rid, sampling=sampling, logprob=None)
+
+
+def _nth_sample(p: Prompt, j: int) -> Prompt:
+    seed = p.sampling.sampling_seed
+    if seed is not None:
+        seed = (seed + j * _SEED_STEP) % (1 << 63)
+    sampling = msgspec.structs.replace(p.sampling, n=1, sampling_seed=seed)
+    return dataclasses.replace(p, rid=f"{p.rid}_{j}", sampling=sampling)

@@ -23,6 +23,9 @@ class ForwardBatch:
     extend_lens: list[int]  # per request: tokens computed this step
     # indices into the T tokens whose hidden state becomes logits (last token of requests that sample)
     logits_idx: torch.Tensor
+    # indices into the T tokens whose final hidden state is kept for prompt logprobs (None: none)
+    lp_idx: torch.Tensor | None = None
+    lp_hidden: torch.Tensor | None = None  # [len(lp_idx), H], set by the model
     # filled by the attention backend's `prepare`, reused by every layer
     attn: Any = field(default=None)
 

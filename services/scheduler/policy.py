@@ -28,8 +28,11 @@ IN_BATCH_HOLD_THRESHOLD = 32  # shared uncached tokens that make a request wait 
 
 def match_key(req: Req) -> list[int]:
     """The prefix that can come from the cache: all but the last token, which must be computed to
-    produce logits."""
-    return req.fill[: req.fill_len - 1]
+    produce logits, and nothing from the first position that still owes a prompt logprob."""
+    n = req.fill_len - 1
+    if req.lp_pos < req.lp_end:
+        n = min(n, req.lp_pos)
+    return req.fill[:n]
 
 
 def order_waiting(waiting: list[Req], tree: RadixCache, policy: str, max_wait: float) -> list[Req]:

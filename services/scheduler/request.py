@@ -24,7 +24,7 @@ class Req:
     __slots__ = (
         "rid", "prompt", "output", "sampling", "out_subject", "created", "arrival", "stop_ids",
         "num_cached", "num_computed", "last_node", "row", "cached_tokens", "finish", "announced",
-        "extend_len", "min_new_mask",
+        "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
     )  # fmt: skip
 
     def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...]) -> None:
@@ -47,6 +47,15 @@ class Req:
         self.finish: dict[str, Any] | None = None
         self.announced = False  # the detokenizer has been told about this request
         self.extend_len = 0  # tokens scheduled in the current step
+        # logprobs (see logprobs.py): logits positions lp_pos .. lp_end-1 still owe a prompt logprob;
+        # computed rows wait in lp_in / lp_out until the request's next output
+        self.lp = msg.logprob
+        n = len(msg.input_ids)
+        start = -1 if self.lp is None else self.lp.start_len
+        self.lp_end = n - 1 if 0 <= start < n else 0
+        self.lp_pos = min(max(start, 1) - 1, self.lp_end)
+        self.lp_in: list[Any] = []
+        self.lp_out: list[Any] = []
 
     @property
     def fill(self) -> list[int]:

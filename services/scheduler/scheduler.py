@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.logprobs import input_rows, pack, rows_from_logprobs
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.radix_cache import RadixCache
@@ -94,9 +95,11 @@ class Scheduler:
         self._release_finished()
         batch = self._schedule()
         if batch:
-            fb, samplers = self._forward_batch(batch)
+            fb, samplers, lp_reqs = self._forward_batch(batch)
             t1 = time.perf_counter()
             logits = self.runner.forward(fb)
+            if lp_reqs:
+                self._input_logprobs(fb, lp_reqs)
             tokens = self._sample(logits, samplers) if samplers else []
             self.stats["forward_s"] += time.perf_counter() - t1
             self._process(batch, samplers, tokens)
@@ -204,10 +207,12 @@ class Scheduler:
         self.stats["retractions"] += 1
 
     # -- forward ------------------------------------------------------------------------------
-    def _forward_batch(self, batch: list[Req]) -> tuple[ForwardBatch, list[Req]]:
+    def _forward_batch(self, batch: list[Req]) -> tuple[ForwardBatch, list[Req], list[tuple[Req, int]]]:
         ids: list[int] = []
         samplers: list[Req] = []
         logits_idx: list[int] = []
+        lp_idx: list[int] = []
+        lp_reqs: list[tuple[Req, int]] = []  # requests owing prompt logprobs, positions this step
         start = 0
         for r in batch:
             c, n = r.num_computed, r.extend_len
@@ -215,6 +220,11 @@ class Scheduler:
                 ids.append(r.prompt[c] if c < len(r.prompt) else r.output[c - len(r.prompt)])
             else:
                 ids.extend(r.fill[c : c + n])
+            if r.lp_pos < r.lp_end:  # the cache match stopped at lp_pos, so c <= lp_pos
+                a, b = r.lp_pos, min(r.lp_end, c + n)
+                if b > a:
+                    lp_idx.extend(range(start + a - c, start + b - c))
+                    lp_reqs.append((r, b - a))
             start += n
             if c + n == r.fill_len and r.remaining_output > 0:
                 samplers.append(r)
@@ -234,17 +244,38 @@ class Scheduler:
             prefix_lens=pre.tolist(),
             extend_lens=ext.tolist(),
             logits_idx=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            lp_idx=torch.tensor(lp_idx, dtype=torch.int64, device=dev) if lp_idx else None,
         )
-        return fb, samplers
+        return fb, samplers, lp_reqs
+
+    def _input_logprobs(self, fb: ForwardBatch, lp_reqs: list[tuple[Req, int]]) -> None:
+        assert fb.lp_hidden is not None
+        row = 0
+        for r, m in lp_reqs:
+            a = r.lp_pos
+            targets = r.prompt[a + 1 : a + 1 + m]
+            hidden = fb.lp_hidden[row : row + m]
+            r.lp_in += input_rows(hidden, self.runner.model.logits, targets, r.lp.top_k, r.lp.token_ids)
+            r.lp_pos += m
+            row += m
+        fb.lp_hidden = None
 
     def _sample(self, logits: torch.Tensor, samplers: list[Req]) -> list[int]:
         key = tuple(r.rid for r in samplers)
         if self._sampling is None or self._sampling[0] != key:  # rebuilt only when the batch changes
             info = SamplingInfo.build([r.sampling for r in samplers], self.vocab_size, logits.device)
             self._sampling = (key, info)
+        want = [i for i, r in enumerate(samplers) if r.lp is not None]
+        # the raw distribution, before penalties touch the logits in place
+        raw = torch.log_softmax(logits[want], dim=-1) if want else None
         self.penalizer.apply(logits, samplers)
         tokens = self.runner.sample(logits, self._sampling[1], [len(r.output) for r in samplers])
         self.penalizer.on_sample(samplers, tokens)
+        if raw is not None:
+            for j, i in enumerate(want):
+                lp = samplers[i].lp
+                rows = rows_from_logprobs(raw[j : j + 1], tokens[i : i + 1], lp.top_k, lp.token_ids)
+                samplers[i].lp_out.append(rows)
         return tokens.tolist()
 
     def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int]) -> None:
@@ -320,6 +351,13 @@ class Scheduler:
         out.cached_tokens.append(req.cached_tokens or 0)
         out.offsets.append(len(req.output) - len(tokens))
         out.finish_reasons.append(req.finish)
+        if req.lp is not None or out.logprobs:
+            out.logprobs += [None] * (len(out.rids) - 1 - len(out.logprobs))
+            lp = None
+            if req.lp is not None:
+                lp = pack(req.lp_in, req.lp_out)
+                req.lp_in, req.lp_out = [], []
+            out.logprobs.append(lp)
 
     def fail_running(self, message: str) -> BatchTokenOut | None:
         """After a step raised: abort every running request with a reason and give back its KV, so

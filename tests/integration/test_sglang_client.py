@@ -12,7 +12,7 @@ the newest release whose `import sglang` works without triton/zmq/torchvision is
 
     pip install --no-deps sglang==0.5.10.post1 && pip install pybase64 ipython aiohttp
 
-Features our server does not honour yet (logprobs for `select`, `regex`, penalties) are tried anyway:
+Features our server does not honour yet (`regex`, hence `gen(dtype=int)`) are tried anyway:
 while the server answers 400 "... not supported yet" / "... cannot be honoured yet" they are xfail,
 and they start passing by themselves once the server supports them.
 """
@@ -176,8 +176,11 @@ def test_select(backend):
         s += "Q: Is Paris in France? Answer yes or no.\nA:" + sgl.select("ans", choices=[" yes", " no"])
 
     state = pick.run()
-    _xfail_if_not_yet(state, "return_logprob (input_token_logprobs), used by sgl.select")
+    assert state.error() is None, f"program failed: {state.error()!r}"
     assert state["ans"] in (" yes", " no")
+    meta = state.get_meta_info("ans")
+    assert len(meta["normalized_prompt_logprobs"]) == 2
+    assert all(lp < 0 for lp in meta["normalized_prompt_logprobs"])
 
 
 def test_gen_choices(backend):
@@ -186,8 +189,8 @@ def test_gen_choices(backend):
         s += "The color of grass is" + sgl.gen("c", choices=[" green", " purple"])
 
     state = pick.run()
-    _xfail_if_not_yet(state, "return_logprob (input_token_logprobs), used by gen(choices=...)")
-    assert state["c"] in (" green", " purple")
+    assert state.error() is None, f"program failed: {state.error()!r}"
+    assert state["c"] == " green"
 
 
 def test_gen_regex(backend):
@@ -220,5 +223,5 @@ def test_gen_penalties(backend):
         )
 
     state = pen.run()
-    _xfail_if_not_yet(state, "frequency_penalty / presence_penalty")
-    assert isinstance(state["x"], str)
+    assert state.error() is None, f"program failed: {state.error()!r}"
+    assert isinstance(state["x"], str) and state["x"]

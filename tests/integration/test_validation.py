@@ -76,19 +76,38 @@ BAD: dict[str, tuple[Any, list[str]]] = {
         ["unknown sampling parameter", "'temprature'", "temperature"],
     ),
     "unknown_field": ({"text": "hi", "max_tokens": 3}, ["unknown field", "'max_tokens'", "sampling_params"]),
-    "return_logprob_not_yet": (
-        {"text": "hi", "return_logprob": True},
-        ["return_logprob", "not supported yet"],
+    "b64_without_flat": (
+        {"text": "hi", "return_logprob": True, "return_flat_raw_top_logprobs_b64": True},
+        ["return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs"],
     ),
-    "top_logprobs_num_not_yet": (
+    "top_logprobs_without_return_logprob": (
         {"text": "hi", "top_logprobs_num": 3},
-        ["top_logprobs_num", "not supported yet"],
+        ["top_logprobs_num", "return_logprob: true"],
+    ),
+    "top_logprobs_negative": (
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": -1},
+        ["top_logprobs_num", "[0, 1024]"],
+    ),
+    "logprob_start_len_below_minus_one": (
+        {"text": "hi", "return_logprob": True, "logprob_start_len": -2},
+        ["logprob_start_len", "-1 (output only)"],
+    ),
+    "token_ids_logprob_outside_vocab": (
+        {"text": "hi", "return_logprob": True, "token_ids_logprob": [VOCAB_SIZE]},
+        ["token_ids_logprob", f"[0, {VOCAB_SIZE})"],
+    ),
+    "return_logprob_list_of_wrong_length": (
+        {"text": ["a", "b"], "return_logprob": [True]},
+        ["return_logprob", "one per prompt"],
+    ),
+    "n_differs_across_batch": (
+        {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]},
+        ["sampling_params.n", "same for every prompt"],
     ),
     "image_data_not_yet": ({"text": "hi", "image_data": "cat.png"}, ["image_data", "not supported yet"]),
     "regex_not_yet": (sp(regex="[0-9]+"), ["regex", "cannot be honoured yet"]),
     "logit_bias_bad_token": (sp(logit_bias={"999999": 1.0}), ["logit_bias", "token ids in [0, 49152)"]),
     "logit_bias_not_an_id": (sp(logit_bias={"abc": 1.0}), ["logit_bias", "token ids"]),
-    "n_2_not_yet": (sp(n=2), ["n", "cannot be honoured yet"]),
 }
 
 

@@ -126,12 +126,19 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Returns float32 logits [len(fb.logits_idx), vocab] for the tokens that sample."""
+        """Returns float32 logits [len(fb.logits_idx), vocab] for the tokens that sample; keeps the final
+        hidden states of `fb.lp_idx` in `fb.lp_hidden` (prompt logprobs, turned into logits later)."""
         x = F.embedding(fb.input_ids, self.embed_tokens)
         for layer in self.layers:
             x = layer(x, fb.positions, self.rotary, attn, fb)
-        x = self.norm(x[fb.logits_idx])
-        return F.linear(x, self.lm_head).float()
+        if fb.lp_idx is not None:
+            fb.lp_hidden = self.norm(x[fb.lp_idx])
+        return self.logits(self.norm(x[fb.logits_idx]))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [N, H] -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
 
     # -- weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

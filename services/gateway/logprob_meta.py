@@ -1,0 +1,78 @@
+"""One request's logprobs at the gateway: raw arrays from the bus accumulate here, and `meta()` shapes
+them into SGLang's `meta_info` keys (the whole request so far: streaming chunks are cumulative, like
+the text)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from services.gateway.logprob_fields import flat_top_fields, token_entries, top_entries
+from services.gateway.logprob_options import LogprobOptions
+from shared.messages import LogprobOut
+
+_FIELDS = {"token": "<f4", "top_val": "<f4", "top_idx": "<i4", "ids_val": "<f4"}
+
+
+class LogprobAccumulator:
+    def __init__(self, opts: LogprobOptions, prompt_ids: list[int]) -> None:
+        self.opts, self.prompt = opts, prompt_ids
+        self.n_ids = len(opts.token_ids or ())
+        self._parts: dict[str, list[np.ndarray]] = {
+            f"{side}_{name}": [] for side in ("input", "output") for name in _FIELDS
+        }
+
+    def add(self, lp: LogprobOut) -> None:
+        for key, parts in self._parts.items():
+            data = getattr(lp, key)
+            if data:
+                parts.append(np.frombuffer(data, dtype=_FIELDS[key.split("_", 1)[1]]))
+
+    def _array(self, key: str, width: int | None = None) -> np.ndarray:
+        parts = self._parts[key]
+        dtype = _FIELDS[key.split("_", 1)[1]]
+        a = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.empty(0, dtype))
+        return a if width is None else a.reshape(-1, width)
+
+    def meta(self, output_ids: list[int], text_of: Callable[[list[int]], list[str]]) -> dict[str, Any]:
+        o = self.opts
+        meta: dict[str, Any] = {}
+        # prompt side: positions start .. len(prompt)-1; position 0 has nothing before it (null)
+        start = o.start_len if 0 <= o.start_len < len(self.prompt) else len(self.prompt)
+        null = 1 if start == 0 else 0
+        tok = self._array("input_token")
+        ids = np.asarray(self.prompt[start : start + null + len(tok)], dtype=np.int32)
+        vals = np.concatenate((np.zeros(null, np.float32), tok)) if null else tok
+        self._side(meta, "input", vals, ids, null, text_of, o.flat, o.flat_b64)
+        # output side: one row per output token so far
+        tok = self._array("output_token")
+        ids = np.asarray(output_ids[: len(tok)], dtype=np.int32)
+        self._side(meta, "output", tok, ids, 0, text_of, False, o.output_b64)
+        return meta
+
+    def _side(self, meta: dict[str, Any], side: str, vals: np.ndarray, ids: np.ndarray, null: int,
+              text_of: Callable[[list[int]], list[str]], flat: bool, b64: bool) -> None:  # fmt: skip
+        o = self.opts
+        texts = text_of(ids.tolist()) if o.text else None
+        meta[f"{side}_token_logprobs"] = token_entries(vals, ids, texts, null_first=bool(null))
+        if o.top_k:
+            top_val = self._array(f"{side}_top_val", o.top_k)
+            top_idx = self._array(f"{side}_top_idx", o.top_k)
+            if flat or b64:
+                meta.update(flat_top_fields(f"{side}_top_logprobs", top_val, top_idx, null, b64))
+            else:
+                top_texts = None
+                if o.text:
+                    flat_texts = text_of(top_idx.ravel().tolist())
+                    top_texts = [flat_texts[r * o.top_k : (r + 1) * o.top_k] for r in range(len(top_idx))]
+                meta[f"{side}_top_logprobs"] = top_entries(top_val, top_idx, top_texts, null)
+        if self.n_ids:
+            ids_val = self._array(f"{side}_ids_val", self.n_ids)
+            asked = np.broadcast_to(np.asarray(o.token_ids, dtype=np.int32), ids_val.shape)
+            id_texts = None
+            if o.text:
+                names = text_of(list(o.token_ids))
+                id_texts = [names] * len(ids_val)
+            meta[f"{side}_token_ids_logprobs"] = top_entries(ids_val, asked, id_texts, null)

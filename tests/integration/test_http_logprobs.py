@@ -1,0 +1,48 @@
+"""Logprobs, flat/base64 prompt arrays and n > 1 through the served system: the arrays cross NATS as raw
+bytes (scheduler -> detokenizer -> gateway) and come out as SGLang's meta_info keys."""
+
+from __future__ import annotations
+
+import numpy as np
+from it_helpers import PROMPT, generate, greedy, stream
+
+from sglbus.logprobs import decode_flat, decode_flat_b64
+
+ASK = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+
+
+def test_logprobs_and_flat_b64_over_http(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    body = {"text": [PROMPT, PROMPT + " Indeed"], "sampling_params": greedy(4, ignore_eos=True), **ASK}
+    lists = generate(client, body)
+    flat = generate(client, {**body, "return_flat_raw_top_logprobs": True})
+    b64 = generate(
+        client, {**body, "return_flat_raw_top_logprobs": True, "return_flat_raw_top_logprobs_b64": True}
+    )
+    for ref, f, b in zip(lists, flat, b64, strict=True):
+        meta = ref["meta_info"]
+        assert len(meta["output_token_logprobs"]) == 4
+        assert [e[1] for e in meta["output_token_logprobs"]] == ref["output_ids"]
+        assert meta["input_token_logprobs"][0][0] is None
+        fv, fi = decode_flat(f["meta_info"], "input_top_logprobs")
+        bv, bi = decode_flat_b64(b["meta_info"], "input_top_logprobs")
+        assert np.array_equal(fv, bv) and np.array_equal(fi, bi)
+        assert fi.tolist() == [[e[1] for e in row] for row in meta["input_top_logprobs"][1:]]
+    assert [e[1] for e in lists[0]["meta_info"]["input_token_logprobs"]] == ids
+
+
+def test_streamed_logprobs_are_cumulative(client):
+    body = {"text": PROMPT, "sampling_params": greedy(5, ignore_eos=True), **ASK, "stream": True}
+    chunks = stream(client, body)
+    for c in chunks:
+        assert len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"])
+    final = generate(client, {**body, "stream": False})
+    assert chunks[-1]["meta_info"]["output_token_logprobs"] == final["meta_info"]["output_token_logprobs"]
+
+
+def test_n_samples_over_http(client):
+    sp = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "n": 2, "sampling_seed": 3}
+    first = generate(client, {"text": PROMPT, "sampling_params": sp})
+    again = generate(client, {"text": PROMPT, "sampling_params": sp})
+    assert len(first) == 2 and [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in first)
