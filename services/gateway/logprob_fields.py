@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-try:  # ~10x faster than the stdlib at these sizes; optional (a dev dependency), so fall back
+try:  # several times faster than the stdlib at these sizes (a dependency); the stdlib is the fallback
     import pybase64 as _b64
 except ImportError:
     import base64 as _b64

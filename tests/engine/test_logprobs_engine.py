@@ -238,3 +238,23 @@ def test_n_with_logprobs_and_stream(engine, prompt_ids):
     assert _close(outs[0]["meta_info"]["input_token_logprobs"], outs[1]["meta_info"]["input_token_logprobs"])
     chunks = list(engine.generate(input_ids=prompt_ids[0], sampling_params=params, stream=True))
     assert {c["index"] for c in chunks} == {0, 1}
+
+
+def test_retraction_and_tiny_chunks_keep_logprobs(make_engine, prompt_ids):
+    """A pool so small that requests are retracted mid-run, and 5-token prefill chunks: every prompt and
+    output position still gets exactly one logprob, equal to the roomy one-shot run's."""
+    params = {**GREEDY, "max_new_tokens": 16}
+    opts = ask(logprob_start_len=1)
+    roomy = make_engine().generate(input_ids=prompt_ids, sampling_params=params, **opts)
+    tight = make_engine(max_total_tokens=60, new_token_ratio=0.0, chunked_prefill_size=5)
+    outs = tight.generate(input_ids=prompt_ids, sampling_params=params, **opts)
+    assert tight.get_stats()["retractions"] > 0
+    for a, b in zip(roomy, outs, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        for key in (
+            "input_token_logprobs",
+            "input_top_logprobs",
+            "output_token_logprobs",
+            "output_top_logprobs",
+        ):
+            assert _close(a["meta_info"][key], b["meta_info"][key]), key
