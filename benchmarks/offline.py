@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     example = '{"frequency_penalty": 1.1}'
     e.add_argument("--extra-sampling-params", type=json.loads, default={},
                    help=f"JSON merged into every request's sampling_params, e.g. '{example}'")  # fmt: skip
+    example = '{"return_logprob": true, "top_logprobs_num": 5}'
+    e.add_argument("--extra-request-params", type=json.loads, default={},
+                   help=f"JSON of Engine.generate arguments (logprob options), e.g. '{example}'")  # fmt: skip
     args = p.parse_args(argv)
     if args.disable_radix_cache and args.compare_no_cache:
         p.error("--compare-no-cache compares against the radix cache; drop --disable-radix-cache")
@@ -90,7 +93,9 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         extra = args.extra_sampling_params
         params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **extra} for _, n in workload]
         t0 = time.perf_counter()
-        outs = engine.generate(input_ids=[ids for ids, _ in workload], sampling_params=params)
+        outs = engine.generate(
+            input_ids=[ids for ids, _ in workload], sampling_params=params, **args.extra_request_params
+        )
         duration = time.perf_counter() - t0
         after = engine.get_stats()
         eos = engine.tokenizer.eos_token_id
