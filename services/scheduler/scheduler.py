@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from services.scheduler.forward_batch import ForwardBatch
-from services.scheduler.logprobs import input_rows, pack, rows_from_logprobs
+from services.scheduler.logprobs import input_rows, output_rows, pack
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.radix_cache import RadixCache
@@ -272,10 +272,11 @@ class Scheduler:
         tokens = self.runner.sample(logits, self._sampling[1], [len(r.output) for r in samplers])
         self.penalizer.on_sample(samplers, tokens)
         if raw is not None:
-            for j, i in enumerate(want):
-                lp = samplers[i].lp
-                rows = rows_from_logprobs(raw[j : j + 1], tokens[i : i + 1], lp.top_k, lp.token_ids)
-                samplers[i].lp_out.append(rows)
+            reqs = [samplers[i] for i in want]
+            sampled = tokens[torch.tensor(want, device=tokens.device)]
+            rows = output_rows(raw, sampled, [r.lp.top_k for r in reqs], [r.lp.token_ids for r in reqs])
+            for r, row in zip(reqs, rows, strict=True):
+                r.lp_out.append(row)
         return tokens.tolist()
 
     def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int]) -> None:

@@ -104,3 +104,24 @@ def test_requests_without_penalties_cost_nothing():
     got = logits.clone()
     pen.apply(got, [r])
     assert torch.equal(got, logits) and pen.out_counts is None
+
+
+def test_batch_changes_rebuild_the_touched_pairs():
+    """A request leaves and another joins between steps: the pairs come back from each row's seen set."""
+    rng = random.Random(1)
+    a = make_req("a", 0, [1, 2, 3], [], frequency_penalty=0.9, repetition_penalty=1.3)
+    b = make_req("b", 1, [4, 5], [], presence_penalty=0.8)
+    c = make_req("c", 2, [6], [], repetition_penalty=0.7)
+    pen = Penalizer(4, V, torch.device("cpu"))
+    for r in (a, b, c):
+        pen.on_admit(r)
+    for batch in ([a, b], [a, b], [b, c, a], [c, a], [a]):
+        logits = torch.randn(len(batch), V) * 3
+        expected = torch.stack([reference(logits[i], r) for i, r in enumerate(batch)])
+        got = logits.clone()
+        pen.apply(got, batch)
+        assert torch.allclose(got, expected, atol=1e-5)
+        tokens = torch.tensor([rng.randrange(V) for _ in batch])
+        pen.on_sample(batch, tokens)
+        for r, t in zip(batch, tokens.tolist(), strict=True):
+            r.output.append(t)

@@ -1,12 +1,15 @@
 """Penalties, `min_new_tokens` and `logit_bias`, applied to a batch's logits in place before sampling.
 
-State lives in tensors indexed by the request's req_to_token row, so a step is a few gathers:
+State, per request row (its req_to_token row):
 
-    out_counts[row, token]   how often `token` appeared in the request's output (frequency/presence/
-                             repetition penalties)
-    in_prompt[row, token]    the token appears in the prompt (repetition penalty only)
+    out_counts[row, token]   how often `token` appeared in the request's output (dense int32)
+    seen[row]                the tokens a penalty can touch: the output's, plus the prompt's when
+                             repetition_penalty is set
 
-Both are allocated on first use; a batch where no request uses any of this costs one flag check.
+A step touches only the (request, token) pairs in `seen`, a few thousand gathers, instead of whole
+[batch, vocab] passes (a dense version cost 30 ms per 64-request step on 2 CPU cores). The pair lists
+are built when the batch changes and grow by the newly seen sampled tokens. Nothing is allocated
+until a request uses a penalty; a batch where none does costs one check.
 Definitions (as SGLang and OpenAI): frequency subtracts penalty * count, presence subtracts penalty
 once a token appeared, repetition divides positive logits (multiplies negative ones) of tokens seen in
 the prompt or output; min_new_tokens masks EOS and stop_token_ids until reached; logit_bias adds.
@@ -30,41 +33,41 @@ class Penalizer:
     def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
         self.rows, self.vocab_size, self.device = rows, vocab_size, device
         self.out_counts: torch.Tensor | None = None
-        self.in_prompt: torch.Tensor | None = None
+        self.seen: dict[int, set[int]] = {}
         self._plan_key: tuple[str, ...] | None = None
         self._plan: _Plan | None = None
 
     @torch.inference_mode()  # the logits are inference tensors; the state must be too
     def on_admit(self, req: Req) -> None:
         """A request got a row: rebuild its state (its output is non-empty after a retraction)."""
+        row = req.row
         if not uses_counts(req):
+            self.seen.pop(row, None)
             return
         if self.out_counts is None:
             self.out_counts = torch.zeros(self.rows, self.vocab_size, dtype=torch.int32, device=self.device)
-            self.in_prompt = torch.zeros(self.rows, self.vocab_size, dtype=torch.bool, device=self.device)
-        row = req.row
         self.out_counts[row].zero_()
         if req.output:
             out = torch.tensor(req.output, dtype=torch.int64, device=self.device)
             self.out_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        self.in_prompt[row].zero_()
+        seen = set(req.output)
         if req.sampling.repetition_penalty != 1.0:
-            self.in_prompt[row, torch.tensor(req.prompt, dtype=torch.int64, device=self.device)] = True
+            seen.update(req.prompt)
+        self.seen[row] = seen
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, reqs: Sequence[Req]) -> None:
         plan = self._plan_for(reqs)
         if plan is None:
             return
-        if plan.count_idx is not None:
-            rows = plan.count_rows
-            counts = self.out_counts.index_select(0, rows)
-            sub = logits.index_select(0, plan.count_idx)
-            sub -= plan.freq * counts + plan.pres * (counts > 0)
+        if plan.pair_b.numel():
+            b, t = plan.pair_b, plan.pair_t
+            counts = self.out_counts[plan.rows_b[b], t].float()
+            vals = logits[b, t] - plan.freq_b[b] * counts - plan.pres_b[b] * (counts > 0)
             if plan.any_rep:
-                seen = (counts > 0) | self.in_prompt.index_select(0, rows)
-                sub = torch.where(seen, torch.where(sub > 0, sub / plan.rep, sub * plan.rep), sub)
-            logits.index_copy_(0, plan.count_idx, sub)
+                rep = plan.rep_b[b]
+                vals = torch.where(vals > 0, vals / rep, vals * rep)
+            logits[b, t] = vals
         if plan.bias_rows is not None:
             logits.index_put_((plan.bias_rows, plan.bias_cols), plan.bias_vals, accumulate=True)
         # min_new_tokens depends on each request's output length, so it is rebuilt every step
@@ -83,16 +86,27 @@ class Penalizer:
         plan = self._plan
         if plan is None or plan.count_idx is None or self._plan_key != _key(reqs):
             return
+        sampled = tokens.index_select(0, plan.count_idx)
         self.out_counts.index_put_(
-            (plan.count_rows, tokens.index_select(0, plan.count_idx)),
+            (plan.count_rows, sampled),
             torch.ones(plan.count_idx.numel(), dtype=torch.int32, device=self.device),
             accumulate=True,
         )
+        new_b, new_t = [], []
+        for i, row, t in zip(plan.counted_b, plan.counted_rows, sampled.tolist(), strict=True):
+            seen = self.seen[row]
+            if t not in seen:
+                seen.add(t)
+                new_b.append(i)
+                new_t.append(t)
+        if new_b:
+            plan.pair_b = torch.cat((plan.pair_b, torch.tensor(new_b, device=self.device)))
+            plan.pair_t = torch.cat((plan.pair_t, torch.tensor(new_t, device=self.device)))
 
     def _plan_for(self, reqs: Sequence[Req]) -> _Plan | None:
         key = _key(reqs)
         if key != self._plan_key:  # rebuilt only when the batch changes
-            self._plan_key, self._plan = key, _Plan.build(reqs, self.vocab_size, self.device)
+            self._plan_key, self._plan = key, _Plan.build(reqs, self.seen, self.device)
         return self._plan
 
 
@@ -101,11 +115,18 @@ def _key(reqs: Sequence[Req]) -> tuple[str, ...]:
 
 
 class _Plan:
-    count_idx: torch.Tensor | None = None  # batch indices of requests with count-based penalties
+    # requests with count-based penalties: their batch indices (tensor and list) and rows
+    count_idx: torch.Tensor | None = None
     count_rows: torch.Tensor
-    freq: torch.Tensor
-    pres: torch.Tensor
-    rep: torch.Tensor
+    counted_b: list[int]
+    counted_rows: list[int]
+    # (batch index, token) pairs the penalties touch; per batch index: row and parameters
+    pair_b: torch.Tensor
+    pair_t: torch.Tensor
+    rows_b: torch.Tensor
+    freq_b: torch.Tensor
+    pres_b: torch.Tensor
+    rep_b: torch.Tensor
     any_rep: bool = False
     bias_rows: torch.Tensor | None = None
     bias_cols: torch.Tensor
@@ -113,7 +134,7 @@ class _Plan:
     min_new: list[tuple[int, Req]]
 
     @classmethod
-    def build(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> _Plan | None:
+    def build(cls, reqs: Sequence[Req], seen: dict[int, set[int]], device: torch.device) -> _Plan | None:
         counted = [(i, r) for i, r in enumerate(reqs) if uses_counts(r)]
         biased = [(i, r) for i, r in enumerate(reqs) if r.sampling.logit_bias]
         min_new = [(i, r) for i, r in enumerate(reqs) if r.sampling.min_new_tokens > 0]
@@ -121,25 +142,43 @@ class _Plan:
             return None
         plan = cls()
         plan.min_new = min_new
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        plan.pair_b = plan.pair_t = empty
         if counted:
-
-            def col(values: list[float]) -> torch.Tensor:
-                return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-            plan.count_idx = torch.tensor([i for i, _ in counted], device=device)
-            plan.count_rows = torch.tensor([r.row for _, r in counted], device=device)
-            plan.freq = col([r.sampling.frequency_penalty for _, r in counted])
-            plan.pres = col([r.sampling.presence_penalty for _, r in counted])
-            plan.rep = col([r.sampling.repetition_penalty for _, r in counted])
-            plan.any_rep = any(r.sampling.repetition_penalty != 1.0 for _, r in counted)
+            plan.counted_b = [i for i, _ in counted]
+            plan.counted_rows = [r.row for _, r in counted]
+            plan.count_idx = torch.tensor(plan.counted_b, device=device)
+            plan.count_rows = torch.tensor(plan.counted_rows, device=device)
+            n = len(reqs)
+            rows, freq, pres, rep = [0] * n, [0.0] * n, [0.0] * n, [1.0] * n
+            pair_b: list[int] = []
+            pair_t: list[int] = []
+            for i, r in counted:
+                s = r.sampling
+                rows[i], freq[i], pres[i], rep[i] = (
+                    r.row,
+                    s.frequency_penalty,
+                    s.presence_penalty,
+                    s.repetition_penalty,
+                )
+                tokens = seen[r.row]
+                pair_b += [i] * len(tokens)
+                pair_t += tokens
+            plan.rows_b = torch.tensor(rows, device=device)
+            plan.freq_b = torch.tensor(freq, dtype=torch.float32, device=device)
+            plan.pres_b = torch.tensor(pres, dtype=torch.float32, device=device)
+            plan.rep_b = torch.tensor(rep, dtype=torch.float32, device=device)
+            plan.any_rep = any(x != 1.0 for x in rep)
+            plan.pair_b = torch.tensor(pair_b, dtype=torch.int64, device=device)
+            plan.pair_t = torch.tensor(pair_t, dtype=torch.int64, device=device)
         if biased:
-            rows, cols, vals = [], [], []
+            rows_, cols, vals = [], [], []
             for i, r in biased:
                 for token, bias in r.sampling.logit_bias.items():
-                    rows.append(i)
+                    rows_.append(i)
                     cols.append(int(token))
                     vals.append(float(bias))
-            plan.bias_rows = torch.tensor(rows, device=device)
+            plan.bias_rows = torch.tensor(rows_, device=device)
             plan.bias_cols = torch.tensor(cols, device=device)
             plan.bias_vals = torch.tensor(vals, dtype=torch.float32, device=device)
         return plan
