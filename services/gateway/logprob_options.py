@@ -32,9 +32,11 @@ class LogprobOptions:
     flat: bool  # input_top_logprobs as flat arrays
     flat_b64: bool  # ... base64-encoded
     output_b64: bool  # output_top_logprobs as flat base64 arrays
+    input_shared: bool = False  # the prompt side comes from another request (n > 1): ask for output only
 
     def request(self) -> LogprobReq:
-        return LogprobReq(start_len=self.start_len, top_k=self.top_k, token_ids=self.token_ids or [])
+        start = -1 if self.input_shared else self.start_len
+        return LogprobReq(start_len=start, top_k=self.top_k, token_ids=self.token_ids or [])
 
 
 def parse_logprob_options(obj: dict[str, Any], n: int) -> list[LogprobOptions | None]:

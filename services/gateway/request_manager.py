@@ -96,15 +96,29 @@ class RequestManager:
     async def submit(self, req: GenerateInput) -> list[_State]:
         """Tokenize, validate and publish every prompt; ValueError (nothing published) on bad input.
         n > 1: each prompt is prefilled once (a max_new_tokens=0 request that leaves it in the prefix
-        cache), then its n samples go out, `{rid}_{j}`, with seeds derived from sampling_seed."""
+        cache and computes the prompt logprobs, if asked, for all samples), then its n samples go out,
+        `{rid}_{j}`, with seeds derived from sampling_seed."""
         prompts = [dataclasses.replace(p, text=None, input_ids=self._validate(p)) for p in req.prompts]
         n = prompts[0].sampling.n
         if n == 1:
             return await self._publish(prompts)
-        warm = [_warm_prompt(p) for p in prompts if p.sampling.max_new_tokens > 0]
-        if warm:
-            await self.wait(GenerateInput(warm, True, False), await self._publish(warm))
-        return await self._publish([_nth_sample(p, j) for p in prompts for j in range(n)])
+        warm = [_warm_prompt(p) for p in prompts]
+        warm_states = await self._publish(warm)
+        await self.wait(GenerateInput(warm, True, False), warm_states)
+        samples: list[Prompt] = []
+        shared: list[LogprobAccumulator | None] = []
+        for p, w in zip(prompts, warm_states, strict=True):
+            aborted = (w.meta.get("finish_reason") or {}).get("type") == "abort"
+            acc = None if aborted else w.logprobs  # else each sample computes its own prompt logprobs
+            for j in range(n):
+                sample = _nth_sample(p, j)
+                if acc is not None:
+                    sample = dataclasses.replace(
+                        sample, logprob=dataclasses.replace(p.logprob, input_shared=True)
+                    )
+                samples.append(sample)
+                shared.append(acc)
+        return await self._publish(samples, shared)
 
     def _validate(self, p: Prompt) -> list[int]:
         """The prompt's token ids, after every check that needs the tokenizer or the vocabulary."""
@@ -125,9 +139,12 @@ class RequestManager:
             )
         return ids
 
-    async def _publish(self, prompts: list[Prompt]) -> list[_State]:
+    async def _publish(
+        self, prompts: list[Prompt], shared: list[LogprobAccumulator | None] | None = None
+    ) -> list[_State]:
+        """`shared[i]`: where prompt i's prompt logprobs were computed already (n > 1)."""
         states, msgs, rids = [], [], set()
-        for p in prompts:
+        for i, p in enumerate(prompts):
             assert p.input_ids is not None
             if p.rid in self._states or p.rid in rids:
                 raise ValueError(f"rid {p.rid!r} is already in use")
@@ -136,6 +153,8 @@ class RequestManager:
             st = _State(p.rid, len(p.input_ids), now)
             if p.logprob is not None:
                 st.logprobs = LogprobAccumulator(p.logprob, p.input_ids)
+                if shared is not None and shared[i] is not None:
+                    st.logprobs.take_input(shared[i])
                 st.token_texts = self.token_texts
             states.append(st)
             msgs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
@@ -257,10 +276,12 @@ _SEED_STEP = 0x9E3779B97F4A7C15  # odd: sample j of seed s uses s + j * step (mo
 
 
 def _warm_prompt(p: Prompt) -> Prompt:
-    """Prefill only, to leave the prompt in the prefix cache for its n samples."""
+    """Prefill only, to leave the prompt in the prefix cache for its n samples; it computes their prompt
+    logprobs too, when asked."""
     sampling = msgspec.structs.replace(p.sampling, n=1, max_new_tokens=0, min_new_tokens=0)
     rid = f"{p.rid}_prefill_{uuid.uuid4().hex[:8]}"
-    return dataclasses.replace(p, rid=rid, sampling=sampling, logprob=None)
+    wants_input = p.logprob is not None and p.logprob.start_len >= 0
+    return dataclasses.replace(p, rid=rid, sampling=sampling, logprob=p.logprob if wants_input else None)
 
 
 def _nth_sample(p: Prompt, j: int) -> Prompt:

@@ -233,9 +233,16 @@ def test_n_samples_share_the_prompt_and_reproduce(engine, prompt_ids):
 
 def test_n_with_logprobs_and_stream(engine, prompt_ids):
     params = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True, "n": 2}
+    single = engine.generate(
+        input_ids=prompt_ids[0], sampling_params={**params, "n": 1}, **ask(logprob_start_len=0)
+    )
     outs = engine.generate(input_ids=prompt_ids[0], sampling_params=params, **ask(logprob_start_len=0))
-    assert outs[0]["output_ids"] == outs[1]["output_ids"]  # greedy samples agree
-    assert _close(outs[0]["meta_info"]["input_token_logprobs"], outs[1]["meta_info"]["input_token_logprobs"])
+    for o in outs:  # greedy samples agree; the prompt logprobs were computed once, by the prefill
+        assert o["output_ids"] == single["output_ids"]
+        assert o["meta_info"]["cached_tokens"] == len(prompt_ids[0]) - 1
+        for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
+                    "output_token_logprobs", "output_top_logprobs"):  # fmt: skip
+            assert _close(o["meta_info"][key], single["meta_info"][key]), key
     chunks = list(engine.generate(input_ids=prompt_ids[0], sampling_params=params, stream=True))
     assert {c["index"] for c in chunks} == {0, 1}
 
