@@ -61,6 +61,13 @@ class Scheduler:
             self._finish_now(req, f"the prompt has {n} tokens; the context length is {self.context_len}")
         elif n + 1 > self.kv.size:
             self._finish_now(req, f"the prompt needs {n + 1} KV slots; the pool has {self.kv.size}")
+        elif msg.logprob is not None and (
+            not 0 <= msg.logprob.top_k <= self.vocab_size
+            or any(not 0 <= t < self.vocab_size for t in msg.logprob.token_ids)
+        ):  # the gateway checks these; a request straight from the bus must not break a whole step
+            self._finish_now(
+                req, f"top_k and token_ids of the logprob request must be in [0, {self.vocab_size})"
+            )
         else:
             self.waiting.append(req)
 

@@ -265,3 +265,23 @@ def test_retraction_and_tiny_chunks_keep_logprobs(make_engine, prompt_ids):
             "output_top_logprobs",
         ):
             assert _close(a["meta_info"][key], b["meta_info"][key]), key
+
+
+def test_scheduler_refuses_bad_logprob_requests_that_skip_the_gateway(engine):
+    """A GenerateReq straight off the bus with an out-of-vocabulary id ends alone with a 400 abort; the
+    step of the other requests is untouched."""
+    from shared.messages import GenerateReq, LogprobReq
+    from shared.sampling_params import SamplingParams
+
+    def add_and_take(s):
+        bad = LogprobReq(start_len=0, top_k=1, token_ids=[10**9])
+        msg = GenerateReq(rid="raw-bad", input_ids=[1, 2, 3], sampling=SamplingParams(), out_subject="x")
+        msg.logprob = bad
+        s.add_request(msg)
+        return s.take_output()
+
+    out = engine._on_scheduler(add_and_take)
+    assert out.rids == ["raw-bad"] and out.finish_reasons[0]["status_code"] == 400
+    assert "token_ids" in out.finish_reasons[0]["message"]
+    good = engine.generate(text="still fine", sampling_params=GREEDY, **ask())
+    assert len(good["meta_info"]["output_token_logprobs"]) == NEW
