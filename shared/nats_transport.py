@@ -68,6 +68,10 @@ class NatsTransport(Transport):
         self._sync_subject = "_SGLBUS_SYNC." + nc.new_inbox().rsplit(".", 1)[-1]  # see _sync
 
     @property
+    def max_payload(self) -> int:  # type: ignore[override]  # what the server announced
+        return self.nc.max_payload
+
+    @property
     def is_connected(self) -> bool:
         return self.nc.is_connected
 

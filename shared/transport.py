@@ -62,6 +62,9 @@ class Subscription(ABC):
 
 
 class Transport(ABC):
+    # the largest message the bus carries (NATS: the server's max_payload); senders split or refuse
+    max_payload: int = 1 << 62
+
     @abstractmethod
     async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None: ...
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from services.detokenizer.detokenizer import Detokenizer
 from shared.heartbeat import Heartbeat
-from shared.messages import BatchTokenOut, Decoder, encode
+from shared.messages import BatchTokenOut, Decoder, encode, encode_split
 from shared.transport import Message, Subjects, Subscription, Transport
 
 
@@ -34,6 +34,7 @@ class DetokenizerService:
     async def _on_tokens(self, m: Message) -> None:
         outs, stopped = self.detok.step(self._dec(m.data))
         for subject, batch in outs.items():
-            await self.transport.publish(subject, encode(batch))
+            for data in encode_split(batch, self.transport.max_payload):
+                await self.transport.publish(subject, data)
         for abort in stopped:
             await self.transport.publish(self.subjects.abort, encode(abort))

@@ -59,7 +59,13 @@ class BusApi:
             await self._send(reply, {"error": {"message": f"internal error: {e}", "code": 500}})
 
     async def _send(self, reply: str, obj: Any) -> None:
-        await self.transport.publish(reply, orjson.dumps(obj))
+        data = orjson.dumps(obj)
+        if len(data) > self.transport.max_payload:
+            limit = self.transport.max_payload
+            message = (f"the response has {len(data)} bytes, over the bus's max payload of {limit}; "
+                       "use HTTP, stream, or the base64 logprob arrays")  # fmt: skip
+            data = orjson.dumps({"error": {"message": message, "code": 413}})
+        await self.transport.publish(reply, data)
 
     async def stop(self) -> None:
         for t in list(self._tasks):

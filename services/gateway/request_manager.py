@@ -131,6 +131,8 @@ class RequestManager:
         if self.context_len is not None and len(ids) >= self.context_len:
             limit = self.context_len - 1
             raise ValueError(f"the prompt has {len(ids)} tokens; at most {limit} fit the context length")
+        if p.logprob is not None:
+            self._check_logprob_size(p, len(ids))
         asked = p.logprob.token_ids or [] if p.logprob else []
         bad = [t for t in asked if not 0 <= t < self.vocab_size]
         if bad:
@@ -138,6 +140,20 @@ class RequestManager:
                 f"token_ids_logprob has id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
             )
         return ids
+
+    def _check_logprob_size(self, p: Prompt, prompt_len: int) -> None:
+        """Prompt logprobs travel in one bus message: refuse what the bus cannot carry."""
+        o = p.logprob
+        assert o is not None
+        rows = max(0, prompt_len - max(o.start_len, 1)) if o.start_len >= 0 else 0
+        size = rows * 4 * (1 + 2 * o.top_k + len(o.token_ids or ()))
+        limit = self.transport.max_payload - _BUS_MARGIN
+        if size > limit:
+            raise ValueError(
+                f"prompt logprobs for {rows} positions (top_logprobs_num {o.top_k}, "
+                f"{len(o.token_ids or ())} token_ids_logprob) come to {size} bytes, over the bus's "
+                f"{limit}-byte limit; raise logprob_start_len or ask for fewer logprobs per position"
+            )
 
     async def _publish(
         self, prompts: list[Prompt], shared: list[LogprobAccumulator | None] | None = None
@@ -272,6 +288,8 @@ class RequestManager:
             st.changed.set()
 
 
+# room in a bus message for everything besides a request's prompt logprob arrays
+_BUS_MARGIN = 1 << 16
 _SEED_STEP = 0x9E3779B97F4A7C15  # odd: sample j of seed s uses s + j * step (mod 2^63), distinct per j
 
 

@@ -18,7 +18,7 @@ from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.heartbeat import Heartbeat
-from shared.messages import AbortReq, Decoder, GenerateReq, encode
+from shared.messages import AbortReq, Decoder, GenerateReq, encode_split
 from shared.model_files import default_model_path, resolve_model_folder
 from shared.transport import Message, Subjects, Subscription, Transport
 
@@ -148,8 +148,8 @@ class SchedulerService:
             else:
                 out = sched.take_output()  # requests rejected on arrival
             if out is not None:
-                data = encode(out)
-                asyncio.run_coroutine_threadsafe(self.transport.publish(detok, data), self._loop)
+                for data in encode_split(out, self.transport.max_payload):
+                    asyncio.run_coroutine_threadsafe(self.transport.publish(detok, data), self._loop)
             elif not sched.has_work:
                 # the integrity check walks the whole pool: only after a quiet second, never between
                 # a step's output and the next request

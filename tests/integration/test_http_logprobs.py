@@ -46,3 +46,27 @@ def test_n_samples_over_http(client):
     again = generate(client, {"text": PROMPT, "sampling_params": sp})
     assert len(first) == 2 and [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in first)
+
+
+def test_bulk_prompt_logprobs_cross_the_bus(client):
+    """1.2 MB of prompt top-logprob arrays in one scheduler output: over NATS' 1 MB default, within the
+    64 MB our NATS is configured for; the arrays arrive whole."""
+    ids = [(i * 7919) % 40000 + 100 for i in range(1500)]
+    body = {"input_ids": ids, "sampling_params": greedy(1), "return_logprob": True, "logprob_start_len": 0,
+            "top_logprobs_num": 100, "return_flat_raw_top_logprobs": True,
+            "return_flat_raw_top_logprobs_b64": True}  # fmt: skip
+    meta = generate(client, body)["meta_info"]
+    vals, idx = decode_flat_b64(meta, "input_top_logprobs")
+    assert vals.shape == idx.shape == (1499, 100)
+    assert np.all(np.diff(vals, axis=1) <= 0)  # best first
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids
+
+
+def test_prompt_logprobs_larger_than_the_bus_are_refused(client):
+    body = {"input_ids": [100 + i for i in range(600)], "sampling_params": greedy(1),
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1024,
+            "token_ids_logprob": list(range(49152))}  # fmt: skip
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "prompt logprobs for 599 positions" in message and "logprob_start_len" in message
