@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
 import random
-import shlex
 import sys
 import time
 import uuid
@@ -33,7 +30,7 @@ import httpx
 import nats
 import orjson
 
-from benchmarks.launch import LaunchedServer, machine_info, percentile
+from benchmarks.launch import LaunchedServer, append_result, machine_info, percentile
 from benchmarks.workloads import FIRST_SAFE_ID
 
 Send = Callable[[list[int]], Awaitable[None]]
@@ -195,11 +192,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         result = asyncio.run(measure(args, base, args.nats_url))
     print_block(args, result)
     if args.output_file:
-        date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        row = {"date": date, "command": shlex.join(sys.orig_argv), "args": vars(args), "machine": machine}
-        row.update(result)
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_result(args.output_file, vars(args), machine, result)
     return 0
 
 

@@ -1,8 +1,10 @@
-"""Helpers shared by the online benchmarks: start `sglbus serve` on a free port (`--launch-server`),
-describe the machine for the JSONL rows, and percentiles."""
+"""Helpers shared by the benchmarks: start `sglbus serve` on a free port (`--launch-server`), describe
+the machine, append a JSONL result row, and percentiles."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
 import re
@@ -101,6 +103,14 @@ def machine_info() -> dict[str, Any]:
         "loadavg_1m_at_start": os.getloadavg()[0],
         "git": commit,
     }
+
+
+def append_result(path: str, args: dict[str, Any], machine: dict[str, Any], result: dict[str, Any]) -> None:
+    """Append one JSONL row: when, the exact command, its arguments, the machine, and the figures."""
+    row = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "command": shlex.join(sys.orig_argv), "args": args, "machine": machine, **result}  # fmt: skip
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -16,10 +16,8 @@ Round trip = server + client. No server, no model: this is the serialisation cos
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from benchmarks.launch import machine_info
+from benchmarks.launch import append_result, machine_info
 
 PREFIX = "input_top_logprobs"
 NULL_PREFIX = 1
@@ -148,11 +146,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     result = measure(args, lf)
     print_block(args, result)
     if args.output_file:
-        date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        row = {"date": date, "command": shlex.join(sys.orig_argv), "args": vars(args), "machine": machine}
-        row.update(result)
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_result(args.output_file, vars(args), machine, result)
     return 0
 
 

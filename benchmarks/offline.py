@@ -9,11 +9,9 @@ HF transformers (`--compare-hf`) and/or the engine without its radix cache (`--c
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ import torch
 
 import sglbus
 from benchmarks.hf_baseline import run_hf
+from benchmarks.launch import append_result
 from benchmarks.workloads import Workload, add_workload_args, build_workload, optimal_hit_rate
 from services.scheduler.model_runner import resolve_device
 
@@ -202,16 +201,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"Throughput ratio sglbus / hf:  {ratios['sglbus / hf']:.2f}x")
         results.append(hf_run)
     if args.output_file:
-        row = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": shlex.join(sys.orig_argv),
-            "args": vars(args),
-            "machine": {**machine_info(info["device"]), "loadavg_1m_at_start": load_at_start},
-            "results": [{**asdict(r), "total_throughput": r.total_throughput} for r in results],
-            "ratios": ratios,
-        }
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        machine = {**machine_info(info["device"]), "loadavg_1m_at_start": load_at_start}
+        runs = [{**asdict(r), "total_throughput": r.total_throughput} for r in results]
+        append_result(args.output_file, vars(args), machine, {"results": runs, "ratios": ratios})
     return 0
 
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import shlex
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +31,7 @@ import numpy as np
 import orjson
 from tqdm import tqdm
 
-from benchmarks.launch import LaunchedServer, machine_info, percentile
+from benchmarks.launch import LaunchedServer, append_result, machine_info, percentile
 from benchmarks.workloads import Workload, random_workload, shared_prefix_workload
 
 # GenerateReqInput fields: an --extra-request-body key with one of these names goes to the top level of
@@ -314,11 +312,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     else:
         result = run(args, (args.base_url or f"http://{args.host}:{args.port}").rstrip("/"))
     if args.output_file:
-        row = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "command": shlex.join(sys.orig_argv), "machine": machine, **result,
-               "args": {**vars(args), "request_rate": str(args.request_rate)}}  # fmt: skip
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_result(
+            args.output_file, {**vars(args), "request_rate": str(args.request_rate)}, machine, result
+        )
     return 0 if result["metrics"]["completed"] else 1
 
 
