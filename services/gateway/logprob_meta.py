@@ -17,8 +17,11 @@ _FIELDS = {"token": "<f4", "top_val": "<f4", "top_idx": "<i4", "ids_val": "<f4"}
 
 
 class LogprobAccumulator:
-    def __init__(self, opts: LogprobOptions, prompt_ids: list[int]) -> None:
-        self.opts, self.prompt = opts, prompt_ids
+    def __init__(
+        self, opts: LogprobOptions, prompt_ids: list[int], text_of: Callable[[list[int]], list[str]]
+    ) -> None:
+        """text_of: each token's text alone, for return_text_in_logprobs."""
+        self.opts, self.prompt, self.text_of = opts, prompt_ids, text_of
         self.n_ids = len(opts.token_ids or ())
         self._parts: dict[str, list[np.ndarray]] = {
             f"{side}_{name}": [] for side in ("input", "output") for name in _FIELDS
@@ -42,7 +45,7 @@ class LogprobAccumulator:
         a = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.empty(0, dtype))
         return a if width is None else a.reshape(-1, width)
 
-    def meta(self, output_ids: list[int], text_of: Callable[[list[int]], list[str]]) -> dict[str, Any]:
+    def meta(self, output_ids: list[int]) -> dict[str, Any]:
         o = self.opts
         meta: dict[str, Any] = {}
         # prompt side: positions start .. len(prompt)-1; position 0 has nothing before it (null)
@@ -51,16 +54,24 @@ class LogprobAccumulator:
         tok = self._array("input_token")
         ids = np.asarray(self.prompt[start : start + null + len(tok)], dtype=np.int32)
         vals = np.concatenate((np.zeros(null, np.float32), tok)) if null else tok
-        self._side(meta, "input", vals, ids, null, text_of, o.flat, o.flat_b64)
+        self._side(meta, "input", vals, ids, null, o.flat, o.flat_b64)
         # output side: one row per output token so far
         tok = self._array("output_token")
         ids = np.asarray(output_ids[: len(tok)], dtype=np.int32)
-        self._side(meta, "output", tok, ids, 0, text_of, False, o.output_b64)
+        self._side(meta, "output", tok, ids, 0, False, o.output_b64)
         return meta
 
-    def _side(self, meta: dict[str, Any], side: str, vals: np.ndarray, ids: np.ndarray, null: int,
-              text_of: Callable[[list[int]], list[str]], flat: bool, b64: bool) -> None:  # fmt: skip
-        o = self.opts
+    def _side(
+        self,
+        meta: dict[str, Any],
+        side: str,
+        vals: np.ndarray,
+        ids: np.ndarray,
+        null: int,
+        flat: bool,
+        b64: bool,
+    ) -> None:
+        o, text_of = self.opts, self.text_of
         texts = text_of(ids.tolist()) if o.text else None
         meta[f"{side}_token_logprobs"] = token_entries(vals, ids, texts, null_first=bool(null))
         if o.top_k:

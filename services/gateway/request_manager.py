@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ import msgspec
 
 from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
 from services.gateway.logprob_meta import LogprobAccumulator
+from services.gateway.logprob_options import LogprobOptions
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, encode
 from shared.transport import Message, Subjects, Subscription, Transport
 
@@ -32,7 +33,6 @@ class _State:
     updated: float = field(default_factory=time.monotonic)  # last output, for the lost-request check
     published: float = 0.0  # perf_counter when the request went on the bus
     logprobs: LogprobAccumulator | None = None
-    token_texts: Callable[[list[int]], list[str]] | None = None  # for return_text_in_logprobs
 
     def response(self) -> dict[str, Any]:
         meta = {
@@ -44,8 +44,7 @@ class _State:
             **self.meta,
         }
         if self.logprobs is not None:
-            assert self.token_texts is not None
-            meta.update(self.logprobs.meta(self.output_ids, self.token_texts))
+            meta.update(self.logprobs.meta(self.output_ids))
         if self.finished:
             meta["e2e_latency"] = time.time() - self.created
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
@@ -132,19 +131,17 @@ class RequestManager:
             limit = self.context_len - 1
             raise ValueError(f"the prompt has {len(ids)} tokens; at most {limit} fit the context length")
         if p.logprob is not None:
-            self._check_logprob_size(p, len(ids))
-        asked = p.logprob.token_ids or [] if p.logprob else []
-        bad = [t for t in asked if not 0 <= t < self.vocab_size]
+            self._check_logprobs(p.logprob, len(ids))
+        return ids
+
+    def _check_logprobs(self, o: LogprobOptions, prompt_len: int) -> None:
+        """token_ids_logprob within the vocabulary; prompt logprobs travel in one bus message: refuse
+        what the bus cannot carry."""
+        bad = [t for t in o.token_ids or () if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
                 f"token_ids_logprob has id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
             )
-        return ids
-
-    def _check_logprob_size(self, p: Prompt, prompt_len: int) -> None:
-        """Prompt logprobs travel in one bus message: refuse what the bus cannot carry."""
-        o = p.logprob
-        assert o is not None
         rows = max(0, prompt_len - max(o.start_len, 1)) if o.start_len >= 0 else 0
         size = rows * 4 * (1 + 2 * o.top_k + len(o.token_ids or ()))
         limit = self.transport.max_payload - _BUS_MARGIN
@@ -168,10 +165,9 @@ class RequestManager:
             now = time.time()
             st = _State(p.rid, len(p.input_ids), now)
             if p.logprob is not None:
-                st.logprobs = LogprobAccumulator(p.logprob, p.input_ids)
+                st.logprobs = LogprobAccumulator(p.logprob, p.input_ids, self.token_texts)
                 if shared is not None and shared[i] is not None:
                     st.logprobs.take_input(shared[i])
-                st.token_texts = self.token_texts
             states.append(st)
             msgs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
                                     out_subject=self.out_subject, created=now,

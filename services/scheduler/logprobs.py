@@ -54,18 +54,13 @@ def output_rows(
 ) -> list[Rows]:
     """One row per request of a decode batch: lp [B, V], the sampled ids [B]; one top-k for all rows
     (the largest k asked), sliced per request, and one copy to the host."""
-    b = lp.shape[0]
-    token = lp.gather(1, sampled.unsqueeze(1)).squeeze(1).float().cpu().numpy()
-    kmax = max(top_ks)
-    if kmax:
-        top_val, top_idx = lp.topk(kmax, dim=-1)
-        top_val, top_idx = top_val.float().cpu().numpy(), top_idx.to(torch.int32).cpu().numpy()
-    else:
-        top_val, top_idx = np.empty((b, 0), np.float32), np.empty((b, 0), np.int32)
+    every = rows_from_logprobs(lp, sampled, max(top_ks), [])
     out = []
     for j, (k, ids) in enumerate(zip(top_ks, token_ids, strict=True)):
         ids_val = lp[j, ids].float().cpu().numpy()[None] if ids else np.empty((1, 0), np.float32)
-        out.append(Rows(token[j : j + 1], top_val[j : j + 1, :k], top_idx[j : j + 1, :k], ids_val))
+        out.append(
+            Rows(every.token[j : j + 1], every.top_val[j : j + 1, :k], every.top_idx[j : j + 1, :k], ids_val)
+        )
     return out
 
 

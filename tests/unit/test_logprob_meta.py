@@ -31,10 +31,10 @@ def texts(ids: list[int]) -> list[str]:
 
 
 def test_positions_null_first_and_chunks_concatenate():
-    acc = LogprobAccumulator(opts(text=True), PROMPT)
+    acc = LogprobAccumulator(opts(text=True), PROMPT, texts)
     acc.add(pack([rows(2, 2, 1, 1.0)], []))  # prompt positions 1, 2 (a prefill chunk)
     acc.add(pack([rows(2, 2, 1, 2.0)], [rows(1, 2, 1, 3.0)]))  # positions 3, 4 and the first output
-    meta = acc.meta([99], texts)
+    meta = acc.meta([99])
     inp = meta["input_token_logprobs"]
     assert [e[1] for e in inp] == PROMPT and inp[0][0] is None
     assert [e[0] for e in inp[1:]] == [-1.0, -2.0, -2.0, -4.0]
@@ -46,20 +46,20 @@ def test_positions_null_first_and_chunks_concatenate():
 
 
 def test_start_len_past_zero_has_no_null_and_past_the_prompt_is_empty():
-    acc = LogprobAccumulator(opts(start_len=3), PROMPT)
+    acc = LogprobAccumulator(opts(start_len=3), PROMPT, texts)
     acc.add(pack([rows(2, 2, 1, 1.0)], []))
-    meta = acc.meta([], texts)
+    meta = acc.meta([])
     assert [e[1] for e in meta["input_token_logprobs"]] == [13, 14]
     assert meta["input_token_logprobs"][0][0] == -1.0
     assert meta["output_token_logprobs"] == [] and meta["output_top_logprobs"] == []
-    late = LogprobAccumulator(opts(start_len=9), PROMPT).meta([], texts)
+    late = LogprobAccumulator(opts(start_len=9), PROMPT, texts).meta([])
     assert late["input_token_logprobs"] == [] and late["input_top_logprobs"] == []
 
 
 def test_flat_b64_and_output_b64():
-    acc = LogprobAccumulator(opts(flat=True, flat_b64=True, output_b64=True), PROMPT)
+    acc = LogprobAccumulator(opts(flat=True, flat_b64=True, output_b64=True), PROMPT, texts)
     acc.add(pack([rows(4, 2, 1, 1.0)], [rows(3, 2, 1, 1.0)]))
-    meta = acc.meta([7, 8, 9], texts)
+    meta = acc.meta([7, 8, 9])
     assert "input_top_logprobs" not in meta and "output_top_logprobs" not in meta
     assert meta["input_top_logprobs_shape"] == [4, 2] and meta["input_top_logprobs_null_prefix"] == 1
     vals, idx = decode_flat_b64(meta, "input_top_logprobs")
