@@ -70,9 +70,12 @@ async def _stats(client: httpx.AsyncClient, base: str) -> dict[str, Any]:
     return {**info["stats"], "bus_s": info.get("gateway", {}).get("stats", {}).get("bus_s", float("nan"))}
 
 
-async def _nats_rtt(nats_url: str, n: int) -> list[float]:
+async def _nats_rtt(nats_url: str, token: str | None, n: int) -> list[float]:
     """Round trips of a small request to an echo responder on another connection, in ms."""
-    responder, requester = await nats.connect(nats_url), await nats.connect(nats_url)
+    responder, requester = (
+        await nats.connect(nats_url, token=token),
+        await nats.connect(nats_url, token=token),
+    )
     subject = f"_bench.echo.{uuid.uuid4().hex}"
 
     async def echo(msg: Any) -> None:
@@ -95,13 +98,13 @@ async def _nats_rtt(nats_url: str, n: int) -> list[float]:
     return out
 
 
-async def measure(args: argparse.Namespace, base: str, nats_url: str) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, base: str, nats_url: str, token: str | None) -> dict[str, Any]:
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(timeout=60) as client:
         info = (await client.get(base + "/get_server_info")).json()
         prefix = args.subject_prefix or info.get("subject_prefix", "sglbus")
         vocab = int(info.get("vocab_size", 32000))
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url, token=token)
 
         async def via_http(ids: list[int]) -> None:
             r = await client.post(base + "/generate", json={"input_ids": ids, "sampling_params": _params()})
@@ -130,7 +133,7 @@ async def measure(args: argparse.Namespace, base: str, nats_url: str) -> dict[st
                         rows[name].append((e2e * 1000, ms[0], ms[1], d["steps"], ms[2]))
         finally:
             await nc.close()
-    rtt = await _nats_rtt(nats_url, args.num_requests)
+    rtt = await _nats_rtt(nats_url, token, args.num_requests)
     result: dict[str, Any] = {
         "nats_rtt_median_ms": percentile(rtt, 50),
         "nats_rtt_p90_ms": percentile(rtt, 90),
@@ -184,12 +187,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             nats_url = server.nats_url or args.nats_url
             if nats_url is None:
                 raise SystemExit("the launched server printed no NATS URL; pass --nats-url")
-            result = asyncio.run(measure(args, server.url, nats_url))
+            result = asyncio.run(measure(args, server.url, nats_url, server.nats_token))
     else:
         if not args.nats_url:
             raise SystemExit("--nats-url (or SGLBUS_NATS_URL) is needed: the bus API is reached over NATS")
         base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-        result = asyncio.run(measure(args, base, args.nats_url))
+        result = asyncio.run(measure(args, base, args.nats_url, os.environ.get("SGLBUS_NATS_TOKEN")))
     print_block(args, result)
     if args.output_file:
         append_result(args.output_file, vars(args), machine, result)

@@ -20,6 +20,7 @@ from typing import Any
 _STARTUP_TIMEOUT_S = 600.0  # a first start converts the GGUF and loads the model
 _SERVING = re.compile(r"sglbus is serving at (\S+)")
 _NATS = re.compile(r"embedded NATS \(JetStream on\) at (\S+)")
+_TOKEN_FILE = re.compile(r"the token is in ([^)\s]+)")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,12 +41,15 @@ class LaunchedServer:
         self.extra = shlex.split(server_args)
         self.url = f"http://{host}:{self.port}"
         self.nats_url: str | None = None
+        self.nats_token: str | None = os.environ.get("SGLBUS_NATS_TOKEN")
         self.proc: subprocess.Popen[bytes] | None = None
         fd, self.log_path = tempfile.mkstemp(prefix="sglbus-serve-", suffix=".log")
         os.close(fd)
 
     def __enter__(self) -> LaunchedServer:
         cmd = [sys.executable, "-m", "sglbus.cli", "serve", "--host", self.host, "--port", str(self.port)]
+        if "--nats-url" not in self.extra and "--nats-port" not in self.extra:
+            cmd += ["--nats-port", str(free_port(host=self.host))]  # 4222 may be another server's
         cmd += self.extra
         print(f"launching: {shlex.join(cmd)}  (log: {self.log_path})", flush=True)
         with open(self.log_path, "wb") as log:
@@ -55,6 +59,9 @@ class LaunchedServer:
             text = self.log_text()
             if (m := _NATS.search(text)) is not None:
                 self.nats_url = m.group(1)
+            if (m := _TOKEN_FILE.search(text)) is not None and self.nats_token is None:
+                with open(m.group(1)) as f:
+                    self.nats_token = f.read().strip()
             if (m := _SERVING.search(text)) is not None:
                 self.url = m.group(1)
                 return self

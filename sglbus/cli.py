@@ -1,6 +1,6 @@
 """The `sglbus` command: `sglbus serve [args]`, `sglbus bench LEAF [args]`.
 
-Bench leaves: offline, serving, bus-latency, logprob-b64.
+Bench leaves: offline, serving, bus-latency, health-latency, logprob-b64.
 
 Each leaf subcommand owns its argument parser (so it also runs as `python -m <module>`); this file only
 routes to it. A leaf is declared without its own options and with add_help=False, so every argument
@@ -42,6 +42,12 @@ def _bench_logprob_b64(argv: list[str], prog: str) -> int:
     return main(argv, prog)
 
 
+def _bench_health_latency(argv: list[str], prog: str) -> int:
+    from benchmarks.health_latency import main
+
+    return main(argv, prog)
+
+
 def _serve(argv: list[str], prog: str) -> int:
     from sglbus.serve import main
 
@@ -64,6 +70,10 @@ _LEAVES: dict[tuple[str, str], tuple[str, Leaf]] = {
     ("bench", "bus-latency"): (
         "latency the bus path adds to a request, over HTTP and the bus API",
         _bench_bus_latency,
+    ),
+    ("bench", "health-latency"): (
+        "how fast /health answers while the gateway takes the largest requests it accepts",
+        _bench_health_latency,
     ),
     ("bench", "logprob-b64"): (
         "flat prompt top-logprob arrays: JSON lists vs base64, server and client cost",

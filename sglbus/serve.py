@@ -1,30 +1,160 @@
 """`sglbus serve`: an embedded NATS (unless --nats-url), then the scheduler, detokenizer and gateway as
-processes; waits for /health, prints the URL, and on Ctrl-C / SIGTERM stops everything it started."""
+processes; waits for /health and prints the URL.
+
+It supervises what it started: a service that dies is restarted with backoff (1 s, doubling to 30 s),
+and so is the embedded NATS, on the same port and JetStream store; the services reconnect by
+themselves. A service that exits with code 2 reports a configuration error: serve stops everything
+and exits 2. Ctrl-C / SIGTERM stop the gateway, then the scheduler and detokenizer, then NATS.
+
+The embedded NATS requires a token, generated at each start unless --nats-token is given, written to
+$SGLBUS_CACHE_DIR/nats-token (readable by you only) for bus-API clients, and handed to the services
+through the environment, never the command line (`ps` shows command lines to every user).
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 
-from shared.config import EngineConfig, add_cli_args, cli_overrides
-from shared.nats_server import EmbeddedNats
+from services.gateway.config import GatewayConfig
+from shared.config import EngineConfig, add_cli_args, cli_overrides, from_env
+from shared.nats_server import EmbeddedNats, PortInUse, port_in_use
+from shared.service_main import (
+    EXIT_CONFIG,
+    ServiceExit,
+    add_bus_args,
+    add_log_args,
+    model_folder,
+    setup_logging,
+)
+
+log = logging.getLogger("sglbus.serve")
 
 _STARTUP_TIMEOUT_S = 600.0  # a first start converts the GGUF and loads the model
+DEFAULT_NATS_PORT = 4222
+BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 30.0
+STABLE_S = 60.0  # up this long, a process counts as healthy again: its next restart waits BACKOFF_MIN_S
+STOP_TIMEOUT_S = 15.0  # per shutdown stage; then it is killed
+_POLL_S = 0.25
+_CREDENTIALS = ("SGLBUS_NATS_TOKEN", "SGLBUS_NATS_USER", "SGLBUS_NATS_PASSWORD", "SGLBUS_NATS_CREDS")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sglbus serve", description=__doc__)
-    p.add_argument("--host", default=os.environ.get("SGLBUS_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("SGLBUS_PORT", "30000")))
-    p.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL"),
-                   help="use this NATS server instead of starting one")  # fmt: skip
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="sglbus serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_log_args(p)
+    add_cli_args(p, GatewayConfig, only=("host", "port", "api_key"))
+    bus = add_bus_args(p, url=False, token_default="with the embedded NATS, a new random one")
+    bus.add_argument("--nats-url", default=env("SGLBUS_NATS_URL"),
+                     help="use this NATS server instead of starting one (default: unset, an embedded NATS; "
+                          "env SGLBUS_NATS_URL)")  # fmt: skip
+    bus.add_argument("--nats-port", type=int, default=env("SGLBUS_NATS_PORT", str(DEFAULT_NATS_PORT)),
+                     help=f"port of the embedded NATS, on 127.0.0.1 (default: {DEFAULT_NATS_PORT}; "
+                          "env SGLBUS_NATS_PORT)")  # fmt: skip
     add_cli_args(p, EngineConfig)
-    return p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("serve", args.log_level)
+    try:
+        engine = cli_overrides(args, EngineConfig)
+        cfg = EngineConfig.from_env(**engine)  # fail fast on a bad option, before anything starts
+        gw = from_env(GatewayConfig, **cli_overrides(args, GatewayConfig))
+        model_folder(cfg.model_path, cfg.load_format != "dummy")  # converts a GGUF once, for all three
+    except (ValueError, ServiceExit) as e:
+        return _fail(str(e))
+    if port_in_use(gw.host, gw.port):
+        return _fail(f"port {gw.port} on {gw.host} is in use by another process; pick another with --port")
+    if args.nats_url is None and args.nats_creds:
+        return _fail("--nats-creds needs --nats-url: the embedded NATS takes a token or a user and password")
+
+    nats, credentials = None, _given_credentials(args)
+    if args.nats_url is None:
+        try:
+            nats, credentials, note = _start_nats(args)
+        except PortInUse as e:
+            return _fail(f"{e}: another sglbus serve or NATS? pick another port with --nats-port")
+        except ValueError as e:
+            return _fail(str(e))
+        except RuntimeError as e:
+            return _fail(str(e), code=1)
+        nats_url = nats.url
+        print(f"embedded NATS (JetStream on) at {nats_url} ({note})", flush=True)
+    else:
+        nats_url = args.nats_url
+        print(f"using NATS at {nats_url}", flush=True)
+
+    env = {k: v for k, v in os.environ.items() if k not in _CREDENTIALS and k != "SGLBUS_API_KEY"}
+    env.update(credentials, SGLBUS_LOG_LEVEL=args.log_level, PYTHONUNBUFFERED="1")
+    pick = lambda *names: {k: engine[k] for k in names if k in engine}
+    common = pick("model_path", "tokenizer_path", "subject_prefix")
+    bus = ["--nats-url", nats_url]
+    http = ["--host", gw.host, "--port", str(gw.port)]
+    children = [
+        Child("gateway", ["services.gateway", *bus, *http, *_flags(common)],
+              {**env, "SGLBUS_API_KEY": gw.api_key} if gw.api_key else env),
+        Child("scheduler", ["services.scheduler", *bus, *_flags(engine)], env),
+        Child("detokenizer", ["services.detokenizer", *bus, *_flags({**common, **pick("worker_id")})], env),
+    ]  # fmt: skip
+    sup = Supervisor(children, nats)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, sup.on_signal)
+    try:
+        return sup.run(f"http://{gw.host}:{gw.port}", bool(gw.api_key))
+    finally:
+        sup.shutdown()
+
+
+def _fail(message: str, code: int = EXIT_CONFIG) -> int:
+    print(f"sglbus serve: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _given_credentials(args: argparse.Namespace) -> dict[str, str]:
+    given = {"SGLBUS_NATS_TOKEN": args.nats_token, "SGLBUS_NATS_USER": args.nats_user,
+             "SGLBUS_NATS_PASSWORD": args.nats_password, "SGLBUS_NATS_CREDS": args.nats_creds}  # fmt: skip
+    return {k: v for k, v in given.items() if v}
+
+
+def _start_nats(args: argparse.Namespace) -> tuple[EmbeddedNats, dict[str, str], str]:
+    """The embedded NATS with credentials: the user and password given, else a token (given or new)."""
+    if args.nats_user or args.nats_password:
+        nats = EmbeddedNats(port=args.nats_port, user=args.nats_user, password=args.nats_password,
+                            preexec_fn=_die_with_parent())  # fmt: skip
+        env = {"SGLBUS_NATS_USER": args.nats_user, "SGLBUS_NATS_PASSWORD": args.nats_password}
+        return nats.start(), env, f"bus clients: user {args.nats_user} and your password"
+    token = args.nats_token or secrets.token_urlsafe(24)
+    nats = EmbeddedNats(port=args.nats_port, token=token, preexec_fn=_die_with_parent()).start()
+    path = _write_token_file(token)
+    return nats, {"SGLBUS_NATS_TOKEN": token}, f"bus clients: the token is in {path}"
+
+
+def _write_token_file(token: str) -> str:
+    from shared.model_files import cache_root
+
+    path = os.path.join(cache_root(), "nats-token")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # a private temp file renamed over the old one: never readable by others, never half-written,
+    # and a symlink planted at `path` is replaced, not followed
+    fd, tmp = tempfile.mkstemp(prefix=".nats-token-", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def _flags(values: dict) -> list[str]:
@@ -38,84 +168,172 @@ def _flags(values: dict) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    engine = cli_overrides(args, EngineConfig)
-    EngineConfig.from_env(**engine)  # fail fast on a bad option, before anything starts
-    nats = None
-    if args.nats_url is None:
-        nats = EmbeddedNats().start()
-        nats_url = nats.url
-        print(f"embedded NATS (JetStream on) at {nats_url}", flush=True)
-    else:
-        nats_url = args.nats_url
+@functools.cache
+def _die_with_parent() -> Callable[[], None] | None:
+    """Linux: the child gets SIGTERM when serve dies, even by SIGKILL, so no orphan keeps the ports.
+    (The children run in their own sessions, where no terminal signal reaches them.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-    def pick(*names: str) -> dict:
-        return {k: engine[k] for k in names if k in engine}
-
-    common = pick("model_path", "tokenizer_path", "subject_prefix")
-    commands = {
-        "scheduler": ["services.scheduler", "--nats-url", nats_url, *_flags(engine)],
-        "detokenizer": ["services.detokenizer", "--nats-url", nats_url,
-                        *_flags({**common, **pick("worker_id")})],
-        "gateway": ["services.gateway", "--nats-url", nats_url, "--host", args.host, "--port", str(args.port),
-                    *_flags(common)],
-    }  # fmt: skip
-    procs: dict[str, subprocess.Popen] = {}
-    stopping = False
-
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     try:
-        for name, cmd in commands.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", *cmd])
-        url = f"http://{args.host}:{args.port}"
-        if not _wait_healthy(url, procs, lambda: stopping):
-            return 1
-        print(f"sglbus is serving at {url}  (Ctrl-C stops it)", flush=True)
-        while not stopping:
-            dead = [n for n, p in procs.items() if p.poll() is not None]
-            if dead:
-                print(f"{', '.join(dead)} exited; stopping", file=sys.stderr, flush=True)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+class Backoff:
+    """When to restart a process that died: 1 s, doubling to 30 s; back to 1 s once it stayed up 60 s."""
+
+    def __init__(self) -> None:
+        self.delay, self.started = BACKOFF_MIN_S, time.monotonic()
+        self.due: float | None = None  # when to restart; None while it runs
+
+    def up(self) -> None:
+        self.started, self.due = time.monotonic(), None
+
+    def down(self) -> tuple[float, float]:
+        """(seconds it was up, seconds until its restart)."""
+        now = time.monotonic()
+        uptime = now - self.started
+        if uptime >= STABLE_S:
+            self.delay = BACKOFF_MIN_S
+        delay, self.delay = self.delay, min(2 * self.delay, BACKOFF_MAX_S)
+        self.due = now + delay
+        return uptime, delay
+
+    def ready(self) -> bool:
+        return self.due is not None and time.monotonic() >= self.due
+
+
+class Child:
+    """One service process (`python -m <module> ...`), in its own session, and its restart schedule."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.name, self.cmd, self.env = name, [sys.executable, "-m", *args], env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.backoff = Backoff()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=_die_with_parent())  # fmt: skip
+        self.backoff.up()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    def __init__(self, children: list[Child], nats: EmbeddedNats | None) -> None:
+        self.children, self.nats = children, nats
+        self.nats_backoff, self.nats_up = Backoff(), nats is not None
+        self.signals = 0
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        self.signals += 1
+        if self.signals == 2:
+            log.warning("second %s: killing what is still running", signal.Signals(signum).name)
+
+    def run(self, url: str, api_key: bool) -> int:
+        for child in self.children:
+            child.start()
+        deadline, serving = time.monotonic() + _STARTUP_TIMEOUT_S, False
+        while not self.signals:
+            rc = self.tend()
+            if rc is not None:
+                return rc
+            if not serving and _healthy(url):
+                serving = True
+                note = "API key required; " if api_key else ""
+                print(f"sglbus is serving at {url}  ({note}Ctrl-C stops it)", flush=True)
+            elif not serving and time.monotonic() > deadline:
+                log.error("/health did not answer 200 within %.0f s: stopping", _STARTUP_TIMEOUT_S)
                 return 1
-            time.sleep(0.5)
+            time.sleep(_POLL_S)
         return 0
-    finally:
-        _terminate(procs)
-        if nats is not None:
-            nats.stop()
+
+    def tend(self) -> int | None:
+        """Restart what died, when its backoff allows; EXIT_CONFIG once a child exits with it."""
+        self._tend_nats()
+        for c in self.children:
+            rc = None if c.proc is None else c.proc.poll()
+            if rc is not None:
+                c.proc = None
+                if rc == EXIT_CONFIG:
+                    log.error("%s exited with code 2 (a configuration error, see above): stopping", c.name)
+                    return EXIT_CONFIG
+                uptime, delay = c.backoff.down()
+                log.warning("%s exited (%s) after %.0f s; restarting it in %.0f s",
+                            c.name, describe_exit(rc), uptime, delay)  # fmt: skip
+            if c.proc is None and c.backoff.ready():
+                c.start()
+                log.warning("%s restarted (pid %d)", c.name, c.proc.pid)
+        return None
+
+    def _tend_nats(self) -> None:
+        nats = self.nats
+        if nats is None:
+            return
+        if self.nats_up and (rc := nats.exit_code()) is not None:
+            self.nats_up = False
+            uptime, delay = self.nats_backoff.down()
+            log.warning("nats-server exited (%s) after %.0f s; restarting it on port %d in %.0f s",
+                        describe_exit(rc), uptime, nats.port, delay)  # fmt: skip
+        if not self.nats_up and self.nats_backoff.ready():
+            try:
+                nats.restart()  # same port, store and credentials: clients reconnect by themselves
+            except RuntimeError as e:  # PortInUse included: someone took the port meanwhile
+                _, delay = self.nats_backoff.down()
+                log.error(
+                    "nats-server did not restart: %s; next try in %.0f s", str(e).splitlines()[0], delay
+                )
+                return
+            self.nats_up = True
+            self.nats_backoff.up()
+            log.warning("nats-server restarted at %s", nats.url)
+
+    def shutdown(self) -> None:
+        """Gateway first (stop taking requests), then the pipeline behind it, then the bus, each
+        waited for, so nothing logs about a bus that went away under it."""
+        for stage in (("gateway",), ("scheduler", "detokenizer")):
+            self._stop([c for c in self.children if c.name in stage and c.running])
+        if self.nats is not None:
+            log.info("stopping nats-server")
+            self.nats.stop()
+
+    def _stop(self, children: list[Child]) -> None:
+        if not children:
+            return
+        log.info("stopping %s", ", ".join(c.name for c in children))
+        for c in children:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(c.running for c in children) and time.monotonic() < deadline and self.signals < 2:
+            time.sleep(0.05)
+        for c in children:
+            if c.running:
+                log.warning("%s did not stop: killing it", c.name)
+                c.proc.kill()
+            c.proc.wait()
 
 
-def _wait_healthy(url: str, procs: dict[str, subprocess.Popen], stopping) -> bool:
-    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline and not stopping():
-        dead = [n for n, p in procs.items() if p.poll() is not None]
-        if dead:
-            print(f"{', '.join(dead)} failed to start", file=sys.stderr, flush=True)
-            return False
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.3)
-    return False
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no http_proxy for our own port
 
 
-def _terminate(procs: dict[str, subprocess.Popen]) -> None:
-    # gateway first (stop taking requests), then the pipeline behind it
-    for name in ("gateway", "scheduler", "detokenizer"):
-        if name in procs and procs[name].poll() is None:
-            procs[name].send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for p in procs.values():
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _healthy(url: str) -> bool:
+    try:
+        with _DIRECT.open(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

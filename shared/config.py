@@ -1,7 +1,9 @@
 """Engine and scheduler configuration: one frozen dataclass; "auto" values are resolved before freezing.
 
 Every option can also come from the environment as `SGLBUS_<NAME>` (upper case); `from_env` is the one
-place that reads it. Explicit keyword arguments win over the environment.
+place that reads it. Explicit keyword arguments win over the environment. Each field is declared with
+`option(default, help, choices)`: its description and allowed values live there once, and `add_cli_args`
+turns them into `--help` text and argparse choices.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -20,43 +22,58 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch",)
 
 
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    """A config field with its description and allowed values; `secret` keeps it out of repr (logs)."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta, repr=not secret)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None = None  # HF folder or .gguf file; None: the default model (SmolLM2-135M-Instruct)
-    tokenizer_path: str | None = None  # defaults to the model folder
-    load_format: str = "auto"  # "dummy": random weights from the model's config.json
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    device: str = "auto"  # auto: cuda when available
-    context_length: int | None = None  # defaults to the model's max_position_embeddings
-    # KV pool size in tokens; when None it is sized by mem_fraction_static
-    max_total_tokens: int | None = None
-    # share of device memory (GPU: total; CPU: available RAM) for weights + KV pool
-    mem_fraction_static: float | None = None
-    max_running_requests: int | None = None  # auto: 256 on GPU, 64 on CPU
-    chunked_prefill_size: int = 2048  # prefill tokens per step; longer prompts are split into chunks
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    # share of the remaining output budget of running requests kept free when admitting new ones
-    new_token_ratio: float = 0.4
-    # a waiting request older than this (seconds) is admitted first whatever the policy (no starvation)
-    max_queue_wait: float = 30.0
-    attention_backend: str = "torch"
-    random_seed: int = 0
-    subject_prefix: str = "sglbus"
-    worker_id: str = "0"
+    model_path: str | None = option(
+        None, "Hugging Face folder or .gguf file; unset: the default model (SmolLM2-135M-Instruct)"
+    )
+    tokenizer_path: str | None = option(None, "tokenizer folder; unset: the model folder")
+    load_format: str = option(
+        "auto",
+        "dummy: random weights from the model's config.json (benchmarks of large shapes)",
+        LOAD_FORMATS,
+    )
+    dtype: str = option("auto", "weight and KV dtype; auto: float32 on CPU, bfloat16 on GPU", DTYPES)
+    device: str = option("auto", "cpu, cuda, cuda:N; auto: cuda when available")
+    context_length: int | None = option(
+        None, "longest prompt + output; unset: the model's max_position_embeddings"
+    )
+    max_total_tokens: int | None = option(None, "KV pool size in tokens; unset: sized by mem_fraction_static")
+    mem_fraction_static: float | None = option(
+        None, "share of device memory (GPU: total; CPU: available RAM) for weights + KV pool, in (0, 1)"
+    )
+    max_running_requests: int | None = option(None, "requests decoded at once; unset: 256 on GPU, 64 on CPU")
+    chunked_prefill_size: int = option(2048, "prefill tokens per step; longer prompts are split into chunks")
+    schedule_policy: str = option("lpm", "order in which waiting requests are admitted", POLICIES)
+    disable_radix_cache: bool = option(False, "turn the prefix cache off (for comparison)")
+    new_token_ratio: float = option(
+        0.4, "share of the remaining output budget of running requests kept free when admitting new ones"
+    )
+    max_queue_wait: float = option(
+        30.0, "seconds; a waiting request older than this is admitted first whatever the policy"
+    )
+    attention_backend: str = option("torch", "attention implementation", ATTENTION_BACKENDS)
+    random_seed: int = option(0, "sampling seed")
+    subject_prefix: str = option("sglbus", "NATS subject prefix (one per model deployment)")
+    worker_id: str = option("0", "this scheduler's id; its detokenizer must have the same")
+    request_ack_wait: float = option(
+        30.0, "seconds; a request its scheduler stopped keeping alive is delivered again to another one"
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
 
-        need(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}")
-        need(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}")
-        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
-        need(
-            self.attention_backend in ATTENTION_BACKENDS,
-            f"attention_backend must be one of {ATTENTION_BACKENDS}",
-        )
+        check_choices(self)
         need(self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1")
         need(self.max_total_tokens is None or self.max_total_tokens >= 2, "max_total_tokens must be >= 2")
         need(
@@ -65,6 +82,7 @@ class EngineConfig:
         )
         need(self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests >= 1")
         need(0 <= self.new_token_ratio <= 1, "new_token_ratio must be in [0, 1]")
+        need(self.request_ack_wait > 0, "request_ack_wait must be > 0")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
@@ -72,6 +90,14 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_choices(cfg: Any) -> None:
+    """ValueError naming the field when a value is not one of its declared choices."""
+    for f in fields(cfg):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(cfg, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {choices}, not {getattr(cfg, f.name)!r}")
 
 
 def from_env(cls: type[T], **overrides: Any) -> T:
@@ -82,26 +108,57 @@ def from_env(cls: type[T], **overrides: Any) -> T:
         raise TypeError(f"unknown option(s): {', '.join(unknown)}; known: {', '.join(names)}")
     values: dict[str, Any] = {}
     for name, f in names.items():
-        raw = os.environ.get(f"SGLBUS_{name.upper()}")
+        raw = os.environ.get(env_name(name))
         if raw is not None:
-            values[name] = _parse(raw, f.type)
+            try:
+                values[name] = _parse(raw, f.type)
+            except ValueError:
+                raise ValueError(f"{env_name(name)}={raw!r} is not a valid {f.type}") from None
     values.update(overrides)
     return cls(**values)
 
 
-def add_cli_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` flag per dataclass field; unset flags leave the environment/default in charge."""
+def env_name(field_name: str) -> str:
+    return f"SGLBUS_{field_name.upper()}"
+
+
+def help_text(f: dataclasses.Field) -> str:
+    """The field's description, default and environment variable, for `--help` (argparse-escaped)."""
+    default = (
+        "unset" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
+    )
+    text = f"{f.metadata.get('help', '')} (default: {default}; env {env_name(f.name)})"
+    return text.replace("%", "%%")
+
+
+def add_cli_args(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """One `--field-name` flag per dataclass field (or those in `only`), described by the field's
+    metadata; unset flags leave the environment/default in charge."""
     group = parser.add_argument_group(cls.__name__)
     for f in fields(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
         if t.startswith("bool"):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text(f))  # fmt: skip
         else:
-            group.add_argument(flag, dest=f.name, default=None, type=lambda raw, t=t: _parse(raw, t),
-                               help=f"default: {f.default!r}")  # fmt: skip
+            group.add_argument(flag, dest=f.name, default=None, type=_cli_type(t),
+                               choices=f.metadata.get("choices"), help=help_text(f))  # fmt: skip
+
+
+def _cli_type(type_name: str) -> Any:
+    def parse(raw: str) -> Any:
+        return _parse(raw, type_name)
+
+    parse.__name__ = type_name.split(" ")[0]  # argparse says "invalid int value: 'x'"
+    return parse
 
 
 def cli_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:

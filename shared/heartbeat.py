@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 import orjson
 
@@ -15,9 +16,12 @@ INTERVAL_S = 1.0
 
 
 class Heartbeat:
-    def __init__(self, transport: Transport, subject: str, service: str, worker: str) -> None:
-        self.transport, self.subject = transport, subject
-        self.payload = {"service": service, "worker": worker}
+    def __init__(self, transport: Transport, subject: str, service: str, worker: str,
+                 alive: Callable[[], bool] = lambda: True, extra: dict | None = None) -> None:  # fmt: skip
+        """`alive`: whether the part that does the work still runs (a dead step thread must not be
+        covered by a live event loop's heartbeat)."""
+        self.transport, self.subject, self.alive = transport, subject, alive
+        self.payload = {"service": service, "worker": worker, **(extra or {})}
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -30,7 +34,7 @@ class Heartbeat:
                 await self._task
 
     async def _run(self) -> None:
-        while True:
+        while self.alive():
             with contextlib.suppress(Exception):  # a bus hiccup must not end the heartbeat
                 await self.transport.publish(
                     self.subject, orjson.dumps({**self.payload, "time": time.time()})

@@ -53,14 +53,15 @@ class LogprobOut(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class AbortReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Stop requests early. `finish` carries the finish reason when the detokenizer ended the request
-    (a stop string, or tokens lost on the bus); without it, the request is aborted (client went away,
-    /abort_request). `reannounce`: the detokenizer never heard of the request (its announcement was
-    lost), so the scheduler sends its info again with the abort."""
+    (a stop string); without it, the request is aborted (client went away, /abort_request).
+    `restart`: output of these requests was lost on the bus (or the detokenizer never heard of them):
+    the scheduler drops them without a word and gives them back to the work queue, which delivers
+    them again as a new attempt that starts over."""
 
     rids: list[str]
     reason: str = "aborted"
     finish: dict[str, Any] | None = None
-    reannounce: bool = False
+    restart: bool = False
 
 
 class NewReqInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -74,6 +75,10 @@ class NewReqInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     created: float = 0.0
+    # the work-queue delivery this run of the request came from: its count (a higher attempt starts
+    # over and replaces a lower one) and the token the gateway acknowledges once it has the output
+    attempt: int = 1
+    work_token: str = ""
 
 
 class BatchTokenOut(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -95,6 +100,8 @@ class TextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     text: str  # delta since the last TextOut of this request
     output_ids: list[int]  # delta
     offset: int = 0  # output ids sent before this delta: a gap means the bus lost a message
+    attempt: int = 1  # which delivery of the request produced it (see NewReqInfo)
+    work_token: str = ""  # on the final output: the gateway acknowledges the request with it
     finished: bool = False
     meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, finish_reason when finished
     logprobs: LogprobOut | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 # NATS' default max_payload (1 MB) is too small for bulk prompt logprobs: raise it to NATS' ceiling.
 # Messages stay small otherwise; senders split a step's output by request (shared/messages.py).
@@ -36,6 +38,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class PortInUse(RuntimeError):
+    """The port asked for is taken by another process (another `sglbus serve`, another NATS)."""
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when a process listens on host:port. SO_REUSEADDR, as nats-server binds: connections of a
+    server that just died, still in TIME_WAIT, do not count."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 def wait_for_port(host: str, port: int, timeout: float) -> bool:
     """Poll until `host:port` accepts a TCP connection; False if it never did within `timeout`."""
     deadline = time.monotonic() + timeout
@@ -50,10 +68,31 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
 
 
 class EmbeddedNats:
-    """One nats-server child process on loopback, JetStream on, store and log in a private temp dir."""
+    """One nats-server child process on loopback, JetStream on, store and log in a private temp dir.
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", start_timeout: float = 15.0) -> None:
+    `port=None` takes a free port (tests); a given port that is taken raises PortInUse. With `token` (or
+    `user` and `password`) clients must present it. The process runs in its own session, so a Ctrl-C in
+    the terminal reaches only its parent, which stops it last; `preexec_fn` runs in the child before exec.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        start_timeout: float = 15.0,
+        token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
+        for name, value in (("token", token), ("user", user), ("password", password)):
+            if value is not None and (not value or any(c in value for c in '"\\\n\r')):
+                raise ValueError(f"NATS {name} must be non-empty, without quotes, backslashes or newlines")
+        if (user is None) != (password is None):
+            raise ValueError("NATS user and password go together")
         self.host, self.port, self.start_timeout = host, port, start_timeout
+        self.token, self.user, self.password = token, user, password
+        self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen[bytes] | None = None
         self.dir: str | None = None
 
@@ -62,6 +101,18 @@ class EmbeddedNats:
         if self.port is None:
             raise RuntimeError("EmbeddedNats is not started")
         return f"nats://{self.host}:{self.port}"
+
+    def config_text(self) -> str:
+        conf = NATS_CONF
+        if self.token is not None:
+            conf += f'authorization {{ token: "{self.token}" }}\n'
+        elif self.user is not None:
+            conf += f'authorization {{ user: "{self.user}", password: "{self.password}" }}\n'
+        return conf
+
+    def exit_code(self) -> int | None:
+        """None while the server runs (or was never started); its return code once it died."""
+        return None if self.proc is None else self.proc.poll()
 
     @property
     def log_path(self) -> str:
@@ -75,20 +126,27 @@ class EmbeddedNats:
             self.dir = tempfile.mkdtemp(prefix="sglbus-nats-")
         if self.port is None:
             self.port = free_port(self.host)
-        store = os.path.join(self.dir, "jetstream")
+        elif port_in_use(self.host, self.port):  # else we would wait for, and find, someone else's port
+            raise PortInUse(f"port {self.port} on {self.host} is in use by another process")
+        store = os.path.join(self.dir, "jetstream")  # kept across restart(): JetStream state survives
         conf = os.path.join(self.dir, "nats.conf")
-        with open(conf, "w") as f:
-            f.write(NATS_CONF)
+        # the file may hold the token: readable by this user only (the folder is private too)
+        with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(self.config_text())
         cmd = [nats_server_binary(), "-c", conf, "-a", self.host, "-p", str(self.port), "-js", "-sd", store]
         # Appending: a restart keeps the earlier run's log, which helps when a restart test fails.
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=self.preexec_fn)  # fmt: skip
         deadline = time.monotonic() + self.start_timeout
         while not wait_for_port(self.host, self.port, 0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 why = "exited" if self.proc.poll() is not None else "did not open its port"
                 self._terminate()
-                raise RuntimeError(f"nats-server {why} ({self.url}); log tail:\n{self.log_tail()}")
+                tail = self.log_tail()
+                if "address already in use" in tail:  # taken between our check and its bind
+                    raise PortInUse(f"port {self.port} on {self.host} is in use by another process")
+                raise RuntimeError(f"nats-server {why} ({self.url}); log tail:\n{tail}")
         return self
 
     def log_tail(self, lines: int = 20) -> str:

@@ -7,16 +7,47 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from shared.transport import Handler, Message, Subscription, Transport
+from shared.transport import (
+    ACK,
+    NAK,
+    PROGRESS,
+    TERM,
+    BusUnavailable,
+    Handler,
+    Message,
+    Subscription,
+    Transport,
+    Work,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BusAuth:
+    """How a service proves itself to NATS: a token, a user and password, or a credentials file."""
+
+    token: str | None = None
+    user: str | None = None
+    password: str | None = None
+    creds: str | None = None  # path of a NATS .creds file (JWT + nkey seed)
+
+    def connect_options(self) -> dict[str, str]:
+        opts = {"token": self.token, "user": self.user, "password": self.password,
+                "user_credentials": self.creds}  # fmt: skip
+        return {k: v for k, v in opts.items() if v}
+
 
 # nats-py drops messages past these limits as a "slow consumer"; our relay callback drains its queue
 # at once, but a stalled event loop (a long synchronous step) can still let a burst pile up there.
@@ -24,6 +55,16 @@ PENDING_MSGS_LIMIT = 1 << 20
 PENDING_BYTES_LIMIT = 1 << 30
 # Publishes buffered while reconnecting (nats-py raises OutboundBufferLimitError past this).
 RECONNECT_BUFFER_BYTES = 64 << 20
+# Work queues: how long publish_work waits for JetStream to store a message (covers a NATS restart),
+# and how long an undelivered message may wait for a worker before JetStream drops it.
+WORK_PUBLISH_TIMEOUT_S = 10.0
+WORK_MAX_AGE_S = 3600.0
+_VERDICT_BYTES = {ACK: b"+ACK", PROGRESS: b"+WPI", NAK: b"-NAK", TERM: b"+TERM"}
+
+
+def work_stream_name(subject: str) -> str:
+    """The JetStream stream behind a work-queue subject: `sglbus.req` -> `SGLBUS_REQ`."""
+    return "".join(c if c.isalnum() else "_" for c in subject).upper()
 
 
 class _NatsSubscription(Subscription):
@@ -31,15 +72,23 @@ class _NatsSubscription(Subscription):
     does: nats-py's `unsubscribe` cancels a handler mid-message and its `drain` deadlocks when
     called from that handler; here unsubscribe finishes what was queued, like in-process."""
 
-    def __init__(self, transport: NatsTransport, subject: str, handler: Handler) -> None:
-        self.transport, self.subject, self.handler = transport, subject, handler
+    def __init__(self, transport: NatsTransport, subject: str, handler: Handler, work: bool = False) -> None:
+        self.transport, self.subject, self.handler, self.work = transport, subject, handler, work
         self.inbox: asyncio.Queue[Message | None] = asyncio.Queue()
         self.sub: NatsSubscription | None = None
         self.task = asyncio.get_running_loop().create_task(self._pump())
 
     async def relay(self, msg: Msg) -> None:
         # Never blocks, so nats-py's own pending queue stays near empty: no slow-consumer drops.
-        self.inbox.put_nowait(Message(msg.subject, msg.data, msg.reply or None))
+        if self.work:  # a JetStream push delivery: its reply subject is the ack token
+            try:
+                deliveries = msg.metadata.num_delivered
+            except Exception:  # not a JetStream delivery (someone published to the deliver subject)
+                log.warning("dropping a message on %s that JetStream did not deliver", msg.subject)
+                return
+            self.inbox.put_nowait(Message(self.subject, msg.data, None, Work(msg.reply, deliveries)))
+        else:
+            self.inbox.put_nowait(Message(msg.subject, msg.data, msg.reply or None))
 
     async def _pump(self) -> None:
         while (msg := await self.inbox.get()) is not None:
@@ -65,6 +114,10 @@ class NatsTransport(Transport):
         self.nc, self.name = nc, name
         self.reconnects = 0  # times the connection came back after a loss; for health checks
         self._subs: set[_NatsSubscription] = set()
+        self.js = nc.jetstream()
+        self._streams: set[str] = set()  # work-queue subjects whose stream this connection ensured
+        self._consumers: dict[str, tuple[str, float]] = {}  # work subject -> (group, ack_wait)
+        self._refused: asyncio.Future[None] | None = None  # set when the first connect is refused
         self._sync_subject = "_SGLBUS_SYNC." + nc.new_inbox().rsplit(".", 1)[-1]  # see _sync
 
     @property
@@ -76,7 +129,11 @@ class NatsTransport(Transport):
         return self.nc.is_connected
 
     @classmethod
-    async def connect(cls, url: str, name: str, connect_timeout: float = 30.0) -> NatsTransport:
+    async def connect(
+        cls, url: str, name: str, connect_timeout: float = 30.0, auth: BusAuth | None = None
+    ) -> NatsTransport:
+        """`auth`: credentials for a NATS that requires them (a token, user/password or a .creds file);
+        a token or user:password in the URL works too."""
         parts = urlsplit(url if "://" in url else f"nats://{url}")
         host, port = parts.hostname or "127.0.0.1", parts.port or 4222
         deadline = time.monotonic() + connect_timeout
@@ -92,30 +149,38 @@ class NatsTransport(Transport):
                 await asyncio.sleep(0.05)
         nc = Client()
         transport = cls(nc, name)
+        transport._refused = asyncio.get_running_loop().create_future()
         try:
-            # With max_reconnect_attempts=-1 even the first connect retries forever: bound it.
-            await asyncio.wait_for(
-                nc.connect(
-                    url,
-                    name=name,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.25,
-                    connect_timeout=2,
-                    pending_size=RECONNECT_BUFFER_BYTES,
-                    drain_timeout=5,
-                    error_cb=transport._on_error,
-                    disconnected_cb=transport._on_disconnected,
-                    reconnected_cb=transport._on_reconnected,
-                ),
-                max(1.0, deadline - time.monotonic()),
+            # With max_reconnect_attempts=-1 even the first connect retries forever: bound it, and
+            # stop at once when the server refuses our credentials (retrying cannot help).
+            connecting = nc.connect(
+                url,
+                name=name,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                connect_timeout=2,
+                pending_size=RECONNECT_BUFFER_BYTES,
+                drain_timeout=5,
+                error_cb=transport._on_error,
+                disconnected_cb=transport._on_disconnected,
+                reconnected_cb=transport._on_reconnected,
+                **(auth.connect_options() if auth else {}),
             )
+            await _first(connecting, transport._refused, max(1.0, deadline - time.monotonic()))
         except TimeoutError:
             await nc.close()
             raise TimeoutError(f"could not connect to NATS at {url}") from None
+        except nats.errors.AuthorizationError:
+            await nc.close()
+            raise PermissionError(f"NATS at {url} refused the credentials (token, user or creds)") from None
         return transport
 
     async def _on_error(self, e: Exception) -> None:
+        refused = isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower()
+        if refused and self._refused is not None and not self._refused.done():
+            self._refused.set_exception(nats.errors.AuthorizationError())
+            return
         # The EOF of a lost server is reported by _on_disconnected, and refused connections repeat
         # every reconnect_time_wait while it is down: keep both quiet.
         expected = self.nc.is_reconnecting or isinstance(e, nats.errors.UnexpectedEOF)
@@ -129,6 +194,69 @@ class NatsTransport(Transport):
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
         log.warning("nats %s: reconnected to %s", self.name, getattr(self.nc.connected_url, "netloc", "?"))
+        # a NATS that came back without its store has lost the work-queue streams: make them again
+        self._streams.clear()
+        if self._consumers:
+            asyncio.get_running_loop().create_task(self._ensure_consumers())
+
+    # -- work queues (JetStream) ----------------------------------------------------------------
+    async def _ensure_stream(self, subject: str) -> str:
+        name = work_stream_name(subject)
+        if subject in self._streams:
+            return name
+        cfg = StreamConfig(
+            name=name, subjects=[subject], retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD, max_age=WORK_MAX_AGE_S,
+        )  # fmt: skip
+        try:
+            await self.js.add_stream(cfg)
+        except nats.js.errors.BadRequestError:  # exists with another configuration: take ours
+            await self.js.update_stream(cfg)
+        self._streams.add(subject)
+        return name
+
+    async def _ensure_consumer(self, subject: str, group: str, ack_wait: float) -> None:
+        stream = await self._ensure_stream(subject)
+        cfg = ConsumerConfig(
+            durable_name=group, deliver_subject=_deliver_subject(subject), deliver_group=group,
+            ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=-1, max_ack_pending=-1,
+        )  # fmt: skip
+        try:
+            await self.js.add_consumer(stream, cfg)
+        except nats.js.errors.BadRequestError:  # exists with another ack_wait: replace it
+            await self.js.delete_consumer(stream, group)
+            await self.js.add_consumer(stream, cfg)
+
+    async def _ensure_consumers(self) -> None:
+        for subject, (group, ack_wait) in list(self._consumers.items()):
+            try:
+                await self._ensure_consumer(subject, group, ack_wait)
+            except Exception as e:  # the next reconnect tries again
+                log.warning("nats %s: could not restore the work queue %s: %s", self.name, subject, e)
+
+    async def publish_work(self, subject: str, data: bytes) -> None:
+        for attempt in range(2):
+            try:
+                await self._ensure_stream(subject)
+                await self.js.publish(subject, data, timeout=WORK_PUBLISH_TIMEOUT_S)
+                return
+            except nats.js.errors.NoStreamResponseError:  # the stream went away (a NATS without its store)
+                self._streams.discard(subject)
+                if attempt:
+                    raise BusUnavailable(f"no work queue for {subject} on NATS") from None
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as e:
+                raise BusUnavailable(f"NATS did not store the message ({type(e).__name__})") from None
+
+    async def subscribe_work(
+        self, subject: str, group: str, handler: Handler, ack_wait: float
+    ) -> Subscription:
+        await self._ensure_consumer(subject, group, ack_wait)
+        self._consumers[subject] = (group, ack_wait)
+        return await self._subscribe(_deliver_subject(subject), handler, group, work=True, name=subject)
+
+    async def settle_work(self, token: str, verdict: str) -> None:
+        if token:
+            await self.nc.publish(token, _VERDICT_BYTES[verdict])
 
     async def _sync(self) -> None:
         """A round trip ordered after everything sent before, so a SUB is live on the server when
@@ -155,7 +283,12 @@ class NatsTransport(Transport):
         return self.nc.new_inbox()
 
     async def subscribe(self, subject: str, handler: Handler, queue: str | None = None) -> Subscription:
-        sub = _NatsSubscription(self, subject, handler)
+        return await self._subscribe(subject, handler, queue)
+
+    async def _subscribe(
+        self, subject: str, handler: Handler, queue: str | None, work: bool = False, name: str | None = None
+    ) -> Subscription:
+        sub = _NatsSubscription(self, name or subject, handler, work)
         # nats-py runs one cb task per subscription, message by message: order is kept into our queue.
         try:
             sub.sub = await self.nc.subscribe(
@@ -174,6 +307,7 @@ class NatsTransport(Transport):
         return sub
 
     async def close(self) -> None:
+        self._consumers.clear()
         for sub in list(self._subs):  # finish what handlers have queued, as in-process close does
             await sub.unsubscribe()
         if self.nc.is_closed:
@@ -182,3 +316,23 @@ class NatsTransport(Transport):
             await self.nc.drain()  # flushes buffered publishes, then closes
         except nats.errors.Error:  # reconnecting or already closing: nothing to flush to
             await self.nc.close()
+
+
+async def _first(connecting: Any, refused: asyncio.Future, timeout: float) -> None:
+    """Wait for the connect coroutine, unless the refusal future fails first (or time runs out)."""
+    task = asyncio.ensure_future(connecting)
+    done, _ = await asyncio.wait({task, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()
+        return
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    if refused in done:
+        refused.result()  # raises the AuthorizationError
+    raise TimeoutError
+
+
+def _deliver_subject(subject: str) -> str:
+    # outside the stream's own subject, or JetStream would store its deliveries again
+    return f"_SGLBUS_WORK.{work_stream_name(subject)}"

@@ -1,7 +1,8 @@
 """SGLang's sampling parameters: names, defaults and valid ranges, as one typed struct.
 
-`SamplingParams.from_dict` turns a client's dict into the struct (`null` means the default) and
-`verify` checks ranges; both raise `ValueError` with a message naming the field and what is allowed.
+`SamplingParams.from_dict` turns a client's dict into the struct (`null` means the default), `verify`
+checks ranges and `verify_length` the prompt against the context; all raise `ValueError` with a message
+naming the field and what is allowed. The scheduler runs the same checks on what reaches it over the bus.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ import msgspec
 
 # Below this temperature sampling is greedy (SGLang's rule).
 GREEDY_TEMPERATURE = 1e-6
+# max_new_tokens when the client leaves it unset; then it is also cut to what the context has room for
+DEFAULT_MAX_NEW_TOKENS = 128
+# sampling_seed: any integer the bus (msgpack) carries; the sampler reduces it mod 2^63 into int64
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64
+MAX_TOKENS_END = 1 << 63  # max_new_tokens stays an int64 everywhere
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # None: DEFAULT_MAX_NEW_TOKENS (see max_new_tokens_for)
     min_new_tokens: int = 0
     stop: list[str] = []
     stop_token_ids: list[int] = []
@@ -69,6 +75,31 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    def max_new_tokens_for(self, prompt_len: int, context_len: int) -> int:
+        """The output limit: as given, or the default cut to the room the context leaves (SGLang's
+        scheduler does the same; only an explicit value is checked against the context)."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return max(0, min(DEFAULT_MAX_NEW_TOKENS, context_len - prompt_len))
+
+    def verify_length(self, prompt_len: int, context_len: int) -> None:
+        """The prompt, and prompt + an explicit max_new_tokens, against the context (SGLang's checks;
+        prompt + max_new_tokens may reach the context exactly: the last token needs no KV)."""
+        if prompt_len >= context_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens; at most {context_len - 1} fit the context length "
+                f"({context_len})"
+            )
+        m = self.max_new_tokens
+        if m is not None and prompt_len + m > context_len:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context_len} "
+                f"tokens. You requested a total of {prompt_len + m} tokens: {prompt_len} tokens from the "
+                f"input messages and {m} tokens for the completion (sampling_params.max_new_tokens). "
+                "Please reduce the number of tokens in the input messages or the completion to fit "
+                "within the limit."
+            )
+
     def verify(self, vocab_size: int) -> None:
         """Check every range SGLang checks; raise ValueError naming the field and the allowed values."""
 
@@ -91,17 +122,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("presence_penalty", "-2 <= presence_penalty <= 2")
         if not (0 < self.repetition_penalty <= 2):
             bad("repetition_penalty", "0 < repetition_penalty <= 2")
-        if self.max_new_tokens < 0:
-            bad("max_new_tokens", "an integer >= 0")
-        if not (0 <= self.min_new_tokens <= self.max_new_tokens):
-            bad("min_new_tokens", f"0 <= min_new_tokens <= max_new_tokens ({self.max_new_tokens})")
+        max_new = DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
+        if not (0 <= max_new < MAX_TOKENS_END):
+            bad("max_new_tokens", "an integer >= 0 and < 2^63")
+        if not (0 <= self.min_new_tokens <= max_new):
+            bad("min_new_tokens", f"0 <= min_new_tokens <= max_new_tokens ({max_new})")
         if self.n < 1:
             bad("n", "an integer >= 1")
+        if self.sampling_seed is not None and not (SEED_MIN <= self.sampling_seed < SEED_END):
+            bad("sampling_seed", "an integer in [-2^63, 2^64); seeds equal mod 2^63 draw the same tokens")
         for t in self.stop_token_ids:
             if not (0 <= t < vocab_size):
                 bad("stop_token_ids", f"token ids in [0, {vocab_size})")
         for token, bias in (self.logit_bias or {}).items():
-            if not token.lstrip("-").isdigit() or not 0 <= int(token) < vocab_size:
+            if not token.removeprefix("-").isdecimal() or not 0 <= int(token) < vocab_size:
                 allowed = f"token ids in [0, {vocab_size})"
                 raise ValueError(f"sampling_params.logit_bias key {token!r} is invalid; allowed: {allowed}")
             if not math.isfinite(bias):

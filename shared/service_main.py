@@ -1,4 +1,5 @@
-"""What every service process does the same way: logging, NATS connection, run until SIGINT/SIGTERM."""
+"""What every service process does the same way: bus and logging options, the NATS connection, running
+until SIGINT/SIGTERM, and a configuration error reported as one line with exit code 2."""
 
 from __future__ import annotations
 
@@ -7,21 +8,106 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from shared.nats_transport import BusAuth, NatsTransport
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# A bad option or model: restarting cannot help, so `sglbus serve` stops instead (argparse exits 2 too).
+EXIT_CONFIG = 2
+# Stopping waits on the bus (unsubscribe, drain): with NATS gone it could wait forever. Bounded, so a
+# SIGTERM always ends the process, within `sglbus serve`'s 15 s and compose's 30 s grace periods.
+STOP_TIMEOUT_S, CLOSE_TIMEOUT_S = 8.0, 4.0
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
-def add_bus_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL", DEFAULT_NATS_URL))
+class ServiceExit(Exception):
+    """Ends the service process with one line on stderr and `exit_code`: EXIT_CONFIG for a bad option
+    or model (not worth a restart), 1 for what a restart may cure (NATS unreachable, a dead step)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_CONFIG) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def setup_logging(name: str) -> None:
+_CREDENTIALS = (
+    ("token", "token the NATS server requires"),
+    ("user", "user name for NATS, with --nats-password"),
+    ("password", "password for NATS"),
+    ("creds", "path of a NATS .creds file (JWT + nkey seed)"),
+)
+
+
+def add_bus_args(
+    parser: argparse.ArgumentParser, url: bool = True, token_default: str = "unset"
+) -> argparse._ArgumentGroup:
+    """--nats-url (unless the caller has its own) and the credentials NATS may ask for, in a group the
+    caller can add to. Secrets are better passed in the environment: `ps` shows command lines."""
+    env = os.environ.get
+    g = parser.add_argument_group("NATS bus")
+    if url:
+        text = f"the NATS server (default: {DEFAULT_NATS_URL}; env SGLBUS_NATS_URL)"
+        g.add_argument("--nats-url", default=env("SGLBUS_NATS_URL", DEFAULT_NATS_URL), help=text)
+    for name, text in _CREDENTIALS:
+        var, default = f"SGLBUS_NATS_{name.upper()}", token_default if name == "token" else "unset"
+        g.add_argument(f"--nats-{name}", default=env(var), help=f"{text} (default: {default}; env {var})")
+    return g
+
+
+def bus_auth(args: argparse.Namespace) -> BusAuth:
+    return BusAuth(token=args.nats_token or None, user=args.nats_user or None,
+                   password=args.nats_password or None, creds=args.nats_creds or None)  # fmt: skip
+
+
+def _log_level(raw: str) -> str:
+    level = raw.lower()
+    if level not in LOG_LEVELS:  # also checks the environment's value (argparse types string defaults)
+        raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def add_log_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", type=_log_level, choices=LOG_LEVELS,
+                        default=os.environ.get("SGLBUS_LOG_LEVEL", "info"),
+                        help="logging level (default: info; env SGLBUS_LOG_LEVEL)")  # fmt: skip
+
+
+def setup_logging(name: str, level: str = "info") -> None:
     logging.basicConfig(
-        level=os.environ.get("SGLBUS_LOG_LEVEL", "INFO").upper(),
+        level=level.upper(),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
+
+
+def model_folder(model_path: str | None, need_weights: bool = True) -> str:
+    """The model's folder (converting a GGUF once); ServiceExit with one readable line when the path
+    or the file is bad."""
+    from shared.model_files import resolve_model_folder  # imports torch: only where a model is needed
+
+    try:
+        return resolve_model_folder(model_path, need_weights)
+    except Exception as e:  # a corrupt file fails deep inside the GGUF reader with any error type
+        raise ServiceExit(_model_error(model_path, e)) from e
+
+
+def load_checked(what: str, load: Callable[[], T]) -> T:
+    """load(), with any error turned into a ServiceExit naming `what` (e.g. a broken tokenizer file)."""
+    try:
+        return load()
+    except Exception as e:
+        raise ServiceExit(f"cannot load {what}: {type(e).__name__}: {e}") from e
+
+
+def _model_error(model_path: str | None, e: Exception) -> str:
+    what = str(e) if isinstance(e, OSError | ValueError) else f"{type(e).__name__}: {e}"
+    if model_path is not None and os.path.expanduser(model_path) not in what:
+        what = f"cannot load model {model_path}: {what}"
+    return what
 
 
 async def wait_for_signal() -> None:
@@ -36,26 +122,68 @@ class Service(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
+    # optional: `async def wait_failed(self) -> str`, returning why once the service cannot go on
 
-async def serve_on_bus(name: str, nats_url: str, make_service: Callable[[Any], Service]) -> None:
-    """Connect to NATS, build and start the service, run until SIGINT/SIGTERM, stop it, disconnect."""
-    from shared.nats_transport import NatsTransport
 
-    transport = await NatsTransport.connect(nats_url, name=name)
-    service = make_service(transport)
+async def connect(nats_url: str, name: str, auth: BusAuth | None = None) -> NatsTransport:
+    try:
+        return await NatsTransport.connect(nats_url, name=name, auth=auth)
+    except TimeoutError as e:  # NATS down: exit 1, a supervisor retries
+        raise ServiceExit(f"{e}: is NATS running there?", exit_code=1) from None
+    except PermissionError as e:  # wrong credentials: a restart cannot help
+        raise ServiceExit(str(e)) from None
+
+
+async def serve_on_bus(
+    name: str, nats_url: str, make_service: Callable[[Any], Service], auth: BusAuth | None = None
+) -> None:
+    """Connect to NATS, build and start the service, run until SIGINT/SIGTERM, stop it, disconnect.
+    Building the service loads the model: an error there is a configuration error, not a crash."""
+    transport = await connect(nats_url, name, auth)
+    try:
+        service = make_service(transport)
+    except Exception as e:
+        await transport.close()
+        log.debug("%s: building the service failed", name, exc_info=True)
+        raise ServiceExit(f"cannot start {name}: {type(e).__name__}: {e}") from e
     await service.start()
     logging.getLogger(name).info("%s ready", name)
-    await wait_for_signal()
-    await service.stop()
-    await transport.close()
+    stopped = asyncio.ensure_future(wait_for_signal())
+    failed = asyncio.ensure_future(service.wait_failed()) if hasattr(service, "wait_failed") else None
+    await asyncio.wait([t for t in (stopped, failed) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+    reason = failed.result() if failed is not None and failed.done() else None
+    for task in (stopped, failed):
+        if task is not None:
+            task.cancel()
+    await shutdown(name, service.stop(), transport)
+    if reason is not None:  # exit non-zero: a supervisor (sglbus serve, compose) restarts the process
+        raise ServiceExit(f"{name} failed: {reason}", exit_code=1)
 
 
-def run(name: str, amain: Callable[[], Awaitable[None]]) -> None:
-    setup_logging(name)
+async def shutdown(name: str, stop: Awaitable[None], transport: NatsTransport) -> None:
+    """Await the service's stop, then close the bus connection, each within its bound."""
+    await _within(name, "stop", stop, STOP_TIMEOUT_S)
+    await _within(name, "bus close", transport.close(), CLOSE_TIMEOUT_S)
+
+
+async def _within(name: str, what: str, step: Awaitable[None], limit: float) -> None:
+    try:
+        await asyncio.wait_for(step, limit)
+    except TimeoutError:
+        log.warning("%s: %s did not finish within %.0f s (is NATS down?); exiting anyway", name, what, limit)
+
+
+def run(name: str, amain: Callable[[], Awaitable[None]], log_level: str = "info") -> None:
+    """Run the service's main coroutine; a ServiceExit ends the process with one line and its code."""
+    setup_logging(name, log_level)
     try:
         import uvloop  # optional: faster event loop where installed
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(amain())
+    try:
+        asyncio.run(amain())
+    except ServiceExit as e:
+        logging.getLogger(name).error("%s", e)
+        sys.exit(e.exit_code)

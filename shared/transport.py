@@ -1,8 +1,15 @@
-"""The bus behind one small interface: publish bytes to a subject, subscribe a handler to a subject.
+"""The bus behind one small interface: publish bytes to a subject, subscribe a handler to a subject,
+and a work queue for what must not be lost.
 
-Two implementations: NATS in production (next to this file, later) and `InProcessTransport`, which
+Two implementations: NATS in production (`nats_transport.py`) and `InProcessTransport`, which
 `sglbus.Engine` and unit tests use, so offline and served runs share every service's code.
 Handlers are coroutines; a subscription delivers its messages in order, one at a time.
+
+Work queue (`publish_work` / `subscribe_work`): a message is stored before `publish_work` returns and
+stays until someone settles its delivery (`settle_work(token, ACK)`); a delivery that is neither
+acknowledged nor kept alive (`PROGRESS`) within `ack_wait` is delivered again, to any member of the
+group. On NATS this is a JetStream work-queue stream; in-process nothing can die on its own, so a
+delivery is final and settling it does nothing.
 """
 
 from __future__ import annotations
@@ -19,10 +26,31 @@ from typing import NamedTuple
 log = logging.getLogger(__name__)
 
 
+class Work(NamedTuple):
+    """One delivery of a work-queue message: `token` settles it (from any process), `deliveries` counts
+    this one (1 the first time; more after a worker died holding it)."""
+
+    token: str
+    deliveries: int = 1
+
+
 class Message(NamedTuple):
     subject: str
     data: bytes
     reply: str | None = None  # where a request/reply caller waits for the answer
+    work: Work | None = None  # set for work-queue deliveries
+
+
+# how a work-queue delivery is settled
+ACK = "ack"  # done: remove it from the queue
+PROGRESS = "progress"  # still working on it: restart its ack_wait clock
+NAK = "nak"  # give it back: deliver it again now
+TERM = "term"  # drop it without redelivery (undecodable, aborted)
+VERDICTS = (ACK, PROGRESS, NAK, TERM)
+
+
+class BusUnavailable(ConnectionError):
+    """The bus did not take a message it had to store (NATS down or its work queue missing)."""
 
 
 Handler = Callable[[Message], Awaitable[None]]
@@ -80,6 +108,21 @@ class Transport(ABC):
     async def subscribe(self, subject: str, handler: Handler, queue: str | None = None) -> Subscription:
         """Deliver messages on `subject` to `handler`. Subscribers sharing a `queue` name split the
         messages between them (each message goes to one of them); others each get every message."""
+
+    @abstractmethod
+    async def publish_work(self, subject: str, data: bytes) -> None:
+        """Store `data` in the work queue of `subject`; BusUnavailable if it could not be stored."""
+
+    @abstractmethod
+    async def subscribe_work(
+        self, subject: str, group: str, handler: Handler, ack_wait: float
+    ) -> Subscription:
+        """Deliver the work queue of `subject` to `handler`, split between the members of `group`;
+        each Message carries its `work` delivery, to settle within `ack_wait` seconds."""
+
+    @abstractmethod
+    async def settle_work(self, token: str, verdict: str) -> None:
+        """ACK, PROGRESS, NAK or TERM a delivery by its token (an empty token: nothing to settle)."""
 
     @abstractmethod
     async def close(self) -> None: ...
@@ -149,7 +192,26 @@ class InProcessTransport(Transport):
         self._subs.setdefault(subject, []).append(sub)
         return sub
 
+    async def publish_work(self, subject: str, data: bytes) -> None:
+        # one process: a delivery cannot outlive its worker, so the queue is the plain queue group
+        await self.publish(_work_subject(subject), data)
+
+    async def subscribe_work(
+        self, subject: str, group: str, handler: Handler, ack_wait: float
+    ) -> Subscription:
+        async def deliver(msg: Message) -> None:
+            await handler(msg._replace(subject=subject, work=Work("")))
+
+        return await self.subscribe(_work_subject(subject), deliver, queue=group)
+
+    async def settle_work(self, token: str, verdict: str) -> None:
+        assert verdict in VERDICTS, verdict
+
     async def close(self) -> None:
         for subs in list(self._subs.values()):
             for sub in list(subs):
                 await sub.unsubscribe()
+
+
+def _work_subject(subject: str) -> str:
+    return f"_WORK.{subject}"

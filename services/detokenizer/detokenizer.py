@@ -8,6 +8,7 @@ text that is trimmed later.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 from shared.messages import AbortReq, BatchTextOut, BatchTokenOut, NewReqInfo, TextOut
 
 _FORGET_AFTER = 100_000  # finished rids remembered, to drop tokens that arrive after a stop string
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class _State:
     text: str = ""  # all text decoded so far
     sent_text: int = 0  # characters already sent
     sent_ids: int = 0
+    broken: bool = False  # lost tokens: waiting for the restarted attempt
 
 
 class Detokenizer:
@@ -33,14 +37,20 @@ class Detokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode = backend.decode if backend is not None else tokenizer.decode
         self._states: dict[str, _State] = {}
-        self._done: OrderedDict[str, None] = OrderedDict()
+        self._done: OrderedDict[str, int] = OrderedDict()  # finished rid -> its attempt
+        self._restarting: OrderedDict[str, None] = OrderedDict()  # asked the scheduler to restart
 
     def step(self, msg: BatchTokenOut) -> tuple[dict[str, BatchTextOut], list[AbortReq]]:
-        """Returns the text outputs grouped by gateway subject, and what the scheduler must stop: requests
-        that hit a stop string, that lost tokens on the bus, or whose announcement never arrived."""
+        """Returns the text outputs grouped by gateway subject, and what the scheduler must stop or
+        restart: requests that hit a stop string, that lost tokens on the bus, or whose announcement
+        never arrived (this detokenizer restarted, or NATS dropped it)."""
+        n = len(msg.rids)
+        if not (
+            len(msg.token_ids) == len(msg.cached_tokens) == len(msg.offsets) == len(msg.finish_reasons) == n
+        ) or (msg.logprobs and len(msg.logprobs) != n):
+            raise ValueError(f"a BatchTokenOut whose lists do not have one entry per rid ({n})")
         for info in msg.new_reqs:
-            if info.rid not in self._done:
-                self._states[info.rid] = _State(info)
+            self._announce(info)
         outs: dict[str, BatchTextOut] = {}
         stopped: list[AbortReq] = []
         logprobs = msg.logprobs or [None] * len(msg.rids)
@@ -48,18 +58,24 @@ class Detokenizer:
             msg.rids, msg.token_ids, msg.cached_tokens, msg.offsets, msg.finish_reasons, logprobs, strict=True
         ):
             st = self._states.get(rid)
-            if st is None:
-                if rid not in self._done and finish is None:
-                    stopped.append(AbortReq(rids=[rid], finish=_lost("its start"), reannounce=True))
+            if st is None or st.broken or offset != len(st.ids):
+                # NATS is at-most-once: never return a gap; the work queue runs the request again
+                if st is not None:
+                    st.broken = True
+                if rid not in self._done and rid not in self._restarting and finish is None:
+                    self._restarting[rid] = None
+                    _trim(self._restarting)
+                    stopped.append(AbortReq(rids=[rid], restart=True))
                 continue
-            if offset != len(st.ids):  # NATS is at-most-once: fail loudly rather than return a gap
-                lost = _lost(f"{offset - len(st.ids)} tokens")
-                if finish is None:
-                    stopped.append(AbortReq(rids=[rid], finish=lost))
-                finish = lost
-            else:
+            try:
                 st.ids.extend(tokens)
-            matched = self._advance(st, finish)
+                matched = self._advance(st, finish)
+            except Exception as e:  # one request's text must not break the others'
+                log.exception("detokenizing %s failed", rid)
+                matched = None
+                if finish is None:
+                    stopped.append(AbortReq(rids=[rid]))
+                finish = {"type": "abort", "message": f"detokenization failed: {e}", "status_code": 500}
             if matched is not None:
                 if finish is None:  # the scheduler is still generating: tell it to stop
                     stopped.append(AbortReq(rids=[rid], finish={"type": "stop", "matched": matched}))
@@ -69,10 +85,17 @@ class Detokenizer:
             outs.setdefault(st.info.out_subject, BatchTextOut()).outs.append(out)
             if finish is not None:
                 del self._states[rid]
-                self._done[rid] = None
-                if len(self._done) > _FORGET_AFTER:
-                    self._done.popitem(last=False)
+                self._done[rid] = st.info.attempt
+                _trim(self._done)
         return outs, stopped
+
+    def _announce(self, info: NewReqInfo) -> None:
+        """A new request: a scheduler announces each run of a request once, after every output of an
+        earlier run (one subject, in order), so it replaces whatever that earlier run left: the last
+        attempt of a request, or a finished request whose rid a client reuses."""
+        self._states[info.rid] = _State(info)
+        self._done.pop(info.rid, None)
+        self._restarting.pop(info.rid, None)
 
     def _advance(self, st: _State, finish: dict | None) -> str | None:
         skip = st.info.skip_special_tokens
@@ -106,10 +129,11 @@ class Detokenizer:
         end = len(st.text) if finish is not None else len(st.text) - _stop_prefix_len(st.text, st.info.stop)
         end = max(end, st.sent_text)
         out = TextOut(rid=st.info.rid, text=st.text[st.sent_text : end], output_ids=st.ids[st.sent_ids :],
-                      offset=st.sent_ids)  # fmt: skip
+                      offset=st.sent_ids, attempt=st.info.attempt)  # fmt: skip
         st.sent_text, st.sent_ids = end, len(st.ids)
         if finish is not None:
             out.finished = True
+            out.work_token = st.info.work_token
             out.meta = {
                 "prompt_tokens": st.info.prompt_tokens,
                 "completion_tokens": len(st.ids),
@@ -119,8 +143,9 @@ class Detokenizer:
         return out
 
 
-def _lost(what: str) -> dict[str, Any]:
-    return {"type": "abort", "message": f"{what} lost on the bus (a NATS restart?)", "status_code": 503}
+def _trim(d: OrderedDict) -> None:
+    if len(d) > _FORGET_AFTER:
+        d.popitem(last=False)
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

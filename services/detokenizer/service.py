@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import msgspec
 
 from services.detokenizer.detokenizer import Detokenizer
 from shared.heartbeat import Heartbeat
 from shared.messages import BatchTokenOut, Decoder, encode, encode_split
 from shared.transport import Message, Subjects, Subscription, Transport
+
+log = logging.getLogger(__name__)
 
 
 class DetokenizerService:
@@ -32,7 +37,11 @@ class DetokenizerService:
             await self._sub.unsubscribe()
 
     async def _on_tokens(self, m: Message) -> None:
-        outs, stopped = self.detok.step(self._dec(m.data))
+        try:
+            outs, stopped = self.detok.step(self._dec(m.data))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:  # not from a scheduler
+            log.warning("ignoring a message on %s that is not a valid step output: %s", m.subject, e)
+            return
         for subject, batch in outs.items():
             for data in encode_split(batch, self.transport.max_payload):
                 await self.transport.publish(subject, data)

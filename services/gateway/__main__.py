@@ -12,36 +12,62 @@ from services.gateway.http_app import build_app
 from services.gateway.service import Gateway
 from shared.config import add_cli_args, cli_overrides, from_env
 from shared.model_config import ModelConfig
-from shared.model_files import default_model_path, resolve_model_folder
-from shared.nats_transport import NatsTransport
-from shared.service_main import run
+from shared.model_files import default_model_path
+from shared.nats_server import port_in_use
+from shared.service_main import (
+    ServiceExit,
+    add_bus_args,
+    add_log_args,
+    bus_auth,
+    connect,
+    load_checked,
+    model_folder,
+    run,
+    shutdown,
+)
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("services.gateway")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    add_bus_args(parser, url=False)  # --nats-url is GatewayConfig.nats_url
+    add_log_args(parser)
     add_cli_args(parser, GatewayConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    cfg: GatewayConfig = from_env(GatewayConfig, **cli_overrides(args, GatewayConfig))
+    try:
+        cfg: GatewayConfig = from_env(GatewayConfig, **cli_overrides(args, GatewayConfig))
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
     async def amain() -> None:
-        folder = resolve_model_folder(cfg.model_path, need_weights=False)
+        if port_in_use(cfg.host, cfg.port):  # uvicorn would find out only after the model is loaded
+            raise ServiceExit(
+                f"port {cfg.port} on {cfg.host} is in use by another process; pick another with --port"
+            )
+        folder = model_folder(cfg.model_path, need_weights=False)
         tokenizer_path = cfg.tokenizer_path or folder
-        tokenizer = load_tokenizer(tokenizer_path)
-        transport = await NatsTransport.connect(cfg.nats_url, name="gateway")
-        gateway = Gateway(cfg, transport, tokenizer, ModelConfig.from_folder(folder),
-                          cfg.model_path or default_model_path(), tokenizer_path)  # fmt: skip
+        tokenizer = load_checked(f"the tokenizer of {tokenizer_path}", lambda: load_tokenizer(tokenizer_path))
+        model = load_checked(f"the model config of {folder}", lambda: ModelConfig.from_folder(folder))
+        transport = await connect(cfg.nats_url, "gateway", bus_auth(args))
+        gateway = Gateway(
+            cfg, transport, tokenizer, model, cfg.model_path or default_model_path(), tokenizer_path
+        )
         await gateway.start()
         server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port,
                                                log_level="warning", timeout_graceful_shutdown=5))  # fmt: skip
-        log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
+        log.info("gateway listening on http://%s:%d%s", cfg.host, cfg.port,
+                 " (API key required)" if cfg.api_key else "")  # fmt: skip
         await server.serve()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
-        await gateway.stop()
-        await transport.close()
+        await shutdown("gateway", gateway.stop(), transport)
 
-    run("gateway", amain)
+    run("gateway", amain, args.log_level)
 
 
 if __name__ == "__main__":

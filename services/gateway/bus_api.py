@@ -3,7 +3,9 @@
 
 Reply: the `/generate` response JSON. With `"stream": true`, each chunk arrives as its own message on
 the reply subject and `[DONE]` ends the stream. Bad input gets `{"error": {"message", "code": 400}}`
-(then `[DONE]` when streaming), with the same message as the HTTP 400.
+(then `[DONE]` when streaming), with the same message as the HTTP 400. A payload over
+`max_request_bytes` (smaller than HTTP's body limit: the bus is shared by every service) gets a 413 at
+once, before anything parses it; a bus that cannot take the request gets a 503.
 """
 
 from __future__ import annotations
@@ -14,17 +16,17 @@ from typing import Any
 
 import orjson
 
-from services.gateway.generate_input import decode_json, parse_generate_input
+from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
 from services.gateway.request_manager import RequestManager
-from shared.transport import Message, Transport
+from shared.transport import BusUnavailable, Message, Transport
 
 log = logging.getLogger(__name__)
 END = b"[DONE]"
 
 
 class BusApi:
-    def __init__(self, requests: RequestManager, transport: Transport) -> None:
-        self.requests, self.transport = requests, transport
+    def __init__(self, requests: RequestManager, transport: Transport, max_request_bytes: int) -> None:
+        self.requests, self.transport, self.max_request_bytes = requests, transport, max_request_bytes
         self._tasks: set[asyncio.Task] = set()
 
     async def on_request(self, m: Message) -> None:
@@ -35,17 +37,28 @@ class BusApi:
         task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, data: bytes, reply: str) -> None:
-        stream = False
+        if len(data) > self.max_request_bytes:  # not parsed: whether it streams is a guess
+            message = (
+                f"the request has {len(data)} bytes, over the bus API's limit of {self.max_request_bytes}"
+            )
+            await self._reject(reply, message, 413, b'"stream"' in data)
+            return
+        stream = False  # [DONE] ends even a rejection of a stream
         try:
-            obj = decode_json(data)
-            stream = isinstance(obj, dict) and obj.get("stream") is True  # [DONE] ends even a rejection
-            req = parse_generate_input(obj)
-            stream = req.stream
+            loop = asyncio.get_running_loop()
+            if len(data) < _OFF_LOOP_BYTES:
+                stream, parsed = _parse(data)
+            else:  # parsing a large body takes a while: not on the event loop
+                stream, parsed = await loop.run_in_executor(None, _parse, data)
+            if isinstance(parsed, ValueError):
+                raise parsed
+            req = parsed
             states = await self.requests.submit(req)
         except ValueError as e:
-            await self._send(reply, {"error": {"message": str(e), "code": 400}})
-            if stream:
-                await self.transport.publish(reply, END)
+            await self._reject(reply, str(e), 400, stream)
+            return
+        except BusUnavailable as e:
+            await self._reject(reply, f"the request could not be queued: {e}; retry", 503, stream)
             return
         try:
             if stream:
@@ -57,6 +70,11 @@ class BusApi:
         except Exception as e:  # answer rather than leave the caller waiting
             log.exception("bus API request failed")
             await self._send(reply, {"error": {"message": f"internal error: {e}", "code": 500}})
+
+    async def _reject(self, reply: str, message: str, code: int, stream: bool) -> None:
+        await self._send(reply, {"error": {"message": message, "code": code}})
+        if stream:
+            await self.transport.publish(reply, END)
 
     async def _send(self, reply: str, obj: Any) -> None:
         data = orjson.dumps(obj)
@@ -70,3 +88,17 @@ class BusApi:
     async def stop(self) -> None:
         for t in list(self._tasks):
             t.cancel()
+
+
+def _parse(body: bytes) -> tuple[bool, GenerateInput | ValueError]:
+    """Whether the caller asked for a stream (its rejection then ends with [DONE] too), and the
+    parsed request or why it is invalid."""
+    obj = decode_json(body)
+    stream = isinstance(obj, dict) and obj.get("stream") is True
+    try:
+        return stream, parse_generate_input(obj)
+    except ValueError as e:
+        return stream, e
+
+
+_OFF_LOOP_BYTES = 1 << 20

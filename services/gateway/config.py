@@ -4,25 +4,54 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.config import option
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    nats_url: str = "nats://127.0.0.1:4222"
-    subject_prefix: str = "sglbus"
-    model_path: str | None = None  # for the tokenizer and /get_model_info; default model when unset
-    tokenizer_path: str | None = None
-    gateway_id: str | None = None  # names this gateway's output subject; random when unset
-    max_body_bytes: int = 32 * 1024 * 1024
-    # in-flight requests fail when no scheduler or detokenizer heartbeat arrived for this long
-    worker_timeout: float = 5.0
-    health_generate_timeout: float = 30.0
+    host: str = option("127.0.0.1", "address the HTTP API listens on; 0.0.0.0 for every interface")
+    port: int = option(30000, "HTTP port")
+    nats_url: str = option("nats://127.0.0.1:4222", "the NATS server")
+    subject_prefix: str = option("sglbus", "NATS subject prefix (one per model deployment)")
+    model_path: str | None = option(
+        None, "for the tokenizer and /get_model_info; unset: the default model (SmolLM2-135M-Instruct)"
+    )
+    tokenizer_path: str | None = option(None, "tokenizer folder; unset: the model folder")
+    gateway_id: str | None = option(
+        None, "names this gateway's output subject; unset: random (leave it unset on scaled gateways)"
+    )
+    max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body, in bytes")
+    max_bus_request_bytes: int = option(
+        4 * 1024 * 1024, "largest bus-API request, in bytes (the bus is shared: smaller than max_body_bytes)"
+    )
+    worker_timeout: float = option(
+        5.0,
+        "seconds without a scheduler or detokenizer heartbeat after which a worker counts as dead (streams "
+        "that already sent tokens then fail at once)",
+    )
+    recovery_timeout: float = option(
+        120.0,
+        "seconds the other in-flight requests wait for a dead worker to come back (the work queue then "
+        "runs them again) before they fail",
+    )
+    health_generate_timeout: float = option(
+        30.0, "seconds allowed for the 1-token generation of /health_generate"
+    )
+    api_key: str | None = option(
+        None,
+        "when set, every HTTP route but /health and /health_generate needs `Authorization: Bearer <key>`; "
+        "prefer the environment variable (a command line is visible to other users)",
+        secret=True,
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.max_bus_request_bytes < 1024:
+            raise ValueError("max_bus_request_bytes must be >= 1024")
         if self.worker_timeout <= 0:
             raise ValueError("worker_timeout must be > 0")
+        if self.recovery_timeout <= 0:
+            raise ValueError("recovery_timeout must be > 0")

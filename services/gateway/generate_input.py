@@ -41,6 +41,9 @@ NOT_YET = {
     "return_bytes": False,
     "return_entropy": False,
 }
+# samples per prompt: each is a request of its own, so a bound keeps one body from fanning out without
+# end (OpenAI's limit)
+MAX_N = 128
 
 
 @dataclass
@@ -87,6 +90,8 @@ def parse_generate_input(obj: Any) -> GenerateInput:
         raise ValueError("stream must be true or false")
     if len({p.n for p in params}) > 1:
         raise ValueError("sampling_params.n must be the same for every prompt of a batch")
+    if params[0].n > MAX_N:
+        raise ValueError(f"sampling_params.n = {params[0].n} is invalid; allowed: integers in [1, {MAX_N}]")
     logprobs = parse_logprob_options(obj, n)
     prompts = [
         Prompt(r, t, i, p, lp)

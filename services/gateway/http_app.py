@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,13 +12,16 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sglbus
 from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
 from services.gateway.service import Gateway
+from shared.transport import BusUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +36,37 @@ def error(message: str, status: int = 400) -> Response:
     )
 
 
+# open without the API key, as in SGLang: load balancers and orchestrators probe them
+OPEN_PATHS = frozenset({"/health", "/health_generate"})
+
+
+class ApiKeyAuth:
+    """Every HTTP route but OPEN_PATHS needs `Authorization: Bearer <key>`, compared in constant time.
+    Pure ASGI (no BaseHTTPMiddleware), so streams and disconnect detection pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = error("missing or wrong API key: send the header `Authorization: Bearer <key>`", 401)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
 class BodyTooLarge(ValueError):
     pass
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, parse: bool = True) -> Any:
+    """The body (decoded JSON, or the bytes with parse=False), refused past `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
@@ -45,7 +75,18 @@ async def read_json(request: Request, limit: int) -> Any:
         body += part
         if len(body) > limit:
             raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
-    return decode_json(bytes(body))
+    return decode_json(bytes(body)) if parse else bytes(body)
+
+
+async def read_request(request: Request, limit: int) -> GenerateInput:
+    """The body as a GenerateInput; parsing a large one runs on a thread (the event loop keeps serving)."""
+    body = await read_json(request, limit, parse=False)
+    if len(body) < _OFF_LOOP_BYTES:
+        return parse_generate_input(decode_json(body))
+    return await asyncio.to_thread(lambda: parse_generate_input(decode_json(body)))
+
+
+_OFF_LOOP_BYTES = 1 << 20
 
 
 def build_app(gw: Gateway) -> Starlette:
@@ -53,10 +94,12 @@ def build_app(gw: Gateway) -> Starlette:
 
     async def generate(request: Request) -> Response:
         try:
-            req = parse_generate_input(await read_json(request, limit))
+            req = await read_request(request, limit)
             states = await gw.requests.submit(req)
         except ValueError as e:
             return error(str(e), 400)
+        except BusUnavailable as e:  # nothing was accepted: the client may simply retry
+            return error(f"the request could not be queued: {e}; retry", 503)
         if req.stream:
             return StreamingResponse(_sse(gw, req, states), media_type="text/event-stream")
         waiter = asyncio.ensure_future(gw.requests.wait(req, states))
@@ -102,7 +145,8 @@ def build_app(gw: Gateway) -> Starlette:
             info = await gw.refresh_info()
         except Exception as e:
             return error(f"no scheduler answered: {e}", 503)
-        gateway = {"max_body_bytes": limit, "in_flight": gw.requests.in_flight,
+        gateway = {"max_body_bytes": limit, "max_bus_request_bytes": gw.cfg.max_bus_request_bytes,
+                   "in_flight": gw.requests.in_flight,
                    "uptime_s": round(time.time() - gw.started, 3), "stats": gw.requests.stats}  # fmt: skip
         return json_response({**info, "version": sglbus.__version__, "gateway": gateway})
 
@@ -147,7 +191,8 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    auth = [Middleware(ApiKeyAuth, api_key=gw.cfg.api_key)] if gw.cfg.api_key else []
+    return Starlette(routes=routes, middleware=auth)
 
 
 async def _sse(gw: Gateway, req: GenerateInput, states: list) -> AsyncIterator[bytes]:

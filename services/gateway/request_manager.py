@@ -1,13 +1,21 @@
 """The gateway's side of a request: tokenize, publish to the schedulers, collect the detokenizer's
-text, and shape SGLang's `/generate` response (one dict per prompt, cumulative text when streaming)."""
+text, and shape SGLang's `/generate` response (one dict per prompt, cumulative text when streaming).
+
+Requests go into the schedulers' work queue, which keeps each one until this gateway acknowledges it
+with its final output. A request whose worker died, or whose output the bus lost, comes back as a new
+attempt that starts over: a JSON response is simply built from the new attempt; a stream that has
+already sent tokens cannot continue with a different sample, so it ends with an error instead.
+Tokenizing a long prompt runs on a thread, never on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +24,12 @@ import msgspec
 from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
 from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
-from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, encode
-from shared.transport import Message, Subjects, Subscription, Transport
+from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
+from shared.transport import ACK, Message, Subjects, Subscription, Transport
+
+log = logging.getLogger(__name__)
+# prompts longer than this (characters or ids) are tokenized and checked on a thread
+_OFF_LOOP_LEN = 8192
 
 
 @dataclass
@@ -33,6 +45,10 @@ class _State:
     updated: float = field(default_factory=time.monotonic)  # last output, for the lost-request check
     published: float = 0.0  # perf_counter when the request went on the bus
     logprobs: LogprobAccumulator | None = None
+    new_logprobs: Callable[[], LogprobAccumulator] | None = None  # a fresh one, for a restarted attempt
+    attempt: int = 1  # the work-queue delivery whose output this state holds
+    broken: bool = False  # output of this attempt was lost on the bus: waiting for the next one
+    streamed: bool = False  # a stream has sent this request's tokens to its client
 
     def response(self) -> dict[str, Any]:
         meta = {
@@ -74,6 +90,8 @@ class RequestManager:
         # scheduler's step time, it is what the bus adds (benchmarks/bus_latency.py)
         self.stats: dict[str, float] = {"finished": 0, "bus_s": 0.0}
         self._texts: dict[int, str] = {}  # token id -> its text alone, for return_text_in_logprobs
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._token_chars: int | None = None  # see _max_token_chars
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.out_subject, self._on_text)
@@ -81,6 +99,7 @@ class RequestManager:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, obj: dict[str, Any] | GenerateInput) -> dict[str, Any] | list[dict[str, Any]]:
@@ -97,7 +116,9 @@ class RequestManager:
         n > 1: each prompt is prefilled once (a max_new_tokens=0 request that leaves it in the prefix
         cache and computes the prompt logprobs, if asked, for all samples), then its n samples go out,
         `{rid}_{j}`, with seeds derived from sampling_seed."""
-        prompts = [dataclasses.replace(p, text=None, input_ids=self._validate(p)) for p in req.prompts]
+        prompts = [
+            dataclasses.replace(p, text=None, input_ids=await self._checked_ids(p)) for p in req.prompts
+        ]
         n = prompts[0].sampling.n
         if n == 1:
             return await self._publish(prompts)
@@ -119,6 +140,12 @@ class RequestManager:
                 shared.append(acc)
         return await self._publish(samples, shared)
 
+    async def _checked_ids(self, p: Prompt) -> list[int]:
+        """`_validate` on a thread for a long prompt, so the event loop keeps answering."""
+        if len(p.text or p.input_ids or ()) <= _OFF_LOOP_LEN:
+            return self._validate(p)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._validate, p)
+
     def _validate(self, p: Prompt) -> list[int]:
         """The prompt's token ids, after every check that needs the tokenizer or the vocabulary."""
         ids = self._tokenize(p)
@@ -127,9 +154,8 @@ class RequestManager:
         if todo:
             names = ", ".join(todo)
             raise ValueError(f"sampling parameter(s) {names} cannot be honoured yet; leave them unset")
-        if self.context_len is not None and len(ids) >= self.context_len:
-            limit = self.context_len - 1
-            raise ValueError(f"the prompt has {len(ids)} tokens; at most {limit} fit the context length")
+        if self.context_len is not None:  # the prompt, and prompt + an explicit max_new_tokens
+            p.sampling.verify_length(len(ids), self.context_len)
         if p.logprob is not None:
             self._check_logprobs(p.logprob, len(ids))
         return ids
@@ -165,17 +191,22 @@ class RequestManager:
             now = time.time()
             st = _State(p.rid, len(p.input_ids), now)
             if p.logprob is not None:
-                st.logprobs = LogprobAccumulator(p.logprob, p.input_ids, self.token_texts)
-                if shared is not None and shared[i] is not None:
-                    st.logprobs.take_input(shared[i])
+                st.new_logprobs = _logprob_factory(p, self.token_texts, shared[i] if shared else None)
+                st.logprobs = st.new_logprobs()
             states.append(st)
             msgs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
                                     out_subject=self.out_subject, created=now,
                                     logprob=p.logprob.request() if p.logprob else None))  # fmt: skip
-        for st, msg in zip(states, msgs, strict=True):
+        for i, (st, msg) in enumerate(zip(states, msgs, strict=True)):
             self._states[st.rid] = st
             st.published = time.perf_counter()
-            await self.transport.publish(self.subjects.req, encode(msg))
+            try:
+                await self.transport.publish_work(self.subjects.req, encode(msg))
+            except BaseException:  # BusUnavailable (answered 503), or the caller went away
+                for later in states[i:]:
+                    self._states.pop(later.rid, None)
+                await self._forget(states[:i])
+                raise
         return states
 
     async def wait(self, req: GenerateInput, states: list[_State]) -> dict[str, Any] | list[dict[str, Any]]:
@@ -200,6 +231,7 @@ class RequestManager:
                     st = states[i]
                     st.changed.clear()
                     chunk = st.response()
+                    st.streamed = st.streamed or bool(st.output_ids)
                     if req.is_batch:
                         chunk["index"] = i
                     yield chunk
@@ -215,6 +247,7 @@ class RequestManager:
         for rid in list(self._states) if rids is None else rids:
             st = self._states.get(rid)
             if st is not None and not st.finished:
+                log.warning("request %s failed: %s", rid, message)
                 st.meta["finish_reason"] = {"type": "abort", "message": message, "status_code": 503}
                 st.finished = True
                 st.changed.set()
@@ -226,6 +259,10 @@ class RequestManager:
 
     def active_rids(self) -> list[str]:
         return [rid for rid, st in self._states.items() if not st.finished]
+
+    def streamed_rids(self) -> list[str]:
+        """Unfinished requests whose stream has sent tokens: a restart cannot continue them."""
+        return [rid for rid, st in self._states.items() if not st.finished and st.streamed]
 
     @property
     def in_flight(self) -> int:
@@ -246,13 +283,47 @@ class RequestManager:
 
     def _tokenize(self, p: Prompt) -> list[int]:
         if p.input_ids is not None:
+            if self.context_len is not None:  # before a scan of every id
+                p.sampling.verify_length(len(p.input_ids), self.context_len)
             bad = [t for t in p.input_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(
                     f"input_ids contains token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
                 )
             return p.input_ids
-        return self.tokenizer.encode(p.text)
+        assert p.text is not None
+        self._refuse_far_too_long(p.text)
+        ids = self.tokenizer.encode(p.text)
+        if not ids:
+            raise ValueError(f"text {p.text[:40]!r} has no tokens; send a prompt the tokenizer can encode")
+        return ids
+
+    def _refuse_far_too_long(self, text: str) -> None:
+        """A text whose token count cannot fit the context is refused before tokenizing it (megabytes
+        take seconds): no token covers more than `_max_token_chars` characters of it."""
+        if self.context_len is None or len(text) <= _OFF_LOOP_LEN:
+            return
+        per_token = self._max_token_chars()
+        if per_token is None:
+            return
+        at_least = len(text) // per_token
+        if at_least >= self.context_len:
+            raise ValueError(
+                f"the prompt has at least {at_least} tokens ({len(text)} characters); at most "
+                f"{self.context_len - 1} fit the context length ({self.context_len})"
+            )
+
+    def _max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for (with a margin for the leading space a
+        decode may drop), or None when a normalizer could shrink the text before tokenizing."""
+        if self._token_chars is None:
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is None or backend.normalizer is not None:
+                self._token_chars = 0
+            else:
+                texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+                self._token_chars = max(map(len, texts)) + 2
+        return self._token_chars or None
 
     async def _forget(self, states: list[_State]) -> None:
         unfinished = [st.rid for st in states if not st.finished]
@@ -263,25 +334,92 @@ class RequestManager:
 
     # -- detokenizer output -------------------------------------------------------------------
     async def _on_text(self, m: Message) -> None:
-        for out in self._dec(m.data).outs:
+        try:
+            outs = self._dec(m.data).outs
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # not from a detokenizer
+            log.warning("ignoring a message on %s that is not a text output: %s", m.subject, e)
+            return
+        for out in outs:
             st = self._states.get(out.rid)
-            if st is None or st.finished:
+            if st is None or st.finished:  # an attempt nobody waits for any more: done with it
+                if out.finished:
+                    await self.transport.settle_work(out.work_token, ACK)
+                continue
+            if out.attempt != st.attempt:
+                if out.attempt < st.attempt or not await self._start_over(st, out.attempt):
+                    continue  # a late output of a replaced attempt, or a stream that cannot restart
+            if st.broken:
                 continue
             st.updated = time.monotonic()
-            if out.offset != len(st.output_ids):  # NATS is at-most-once: fail loudly, never a gap
-                self.fail(f"{out.offset - len(st.output_ids)} output tokens lost on the bus", [st.rid])
-                await self.abort([st.rid])
+            if out.offset != len(st.output_ids):
+                # NATS is at-most-once: never return a gap; the work queue runs the request again
+                log.warning("%s: %d output tokens lost on the bus; restarting it", st.rid,
+                            out.offset - len(st.output_ids))  # fmt: skip
+                st.broken = True
+                await self.transport.publish(
+                    self.subjects.abort, encode(AbortReq(rids=[st.rid], restart=True))
+                )
                 continue
-            st.text += out.text
-            st.output_ids.extend(out.output_ids)
-            if out.logprobs is not None and st.logprobs is not None:
-                st.logprobs.add(out.logprobs)
+            self._add(st, out)
             if out.finished:
-                st.meta.update(out.meta)
-                st.finished = True
-                self.stats["finished"] += 1
-                self.stats["bus_s"] += time.perf_counter() - st.published
+                await self.transport.settle_work(out.work_token, ACK)
             st.changed.set()
+
+    def _add(self, st: _State, out: TextOut) -> None:
+        st.text += out.text
+        st.output_ids.extend(out.output_ids)
+        if out.logprobs is not None and st.logprobs is not None:
+            st.logprobs.add(out.logprobs)
+        if out.finished:
+            st.meta.update(out.meta)
+            st.finished = True
+            self.stats["finished"] += 1
+            self.stats["bus_s"] += time.perf_counter() - st.published
+            log.info(
+                "finished %s: %d prompt + %d output tokens (%d cached), %.3f s, %s",
+                st.rid, st.prompt_tokens, len(st.output_ids), out.meta.get("cached_tokens", 0),
+                time.time() - st.created, _finish_text(out.meta.get("finish_reason")),
+            )  # fmt: skip
+
+    async def _start_over(self, st: _State, attempt: int) -> bool:
+        """A new attempt of the request (its worker died, or its output was lost) begins: forget what
+        the last one produced. A stream that already sent tokens ends with an error instead: the new
+        attempt samples anew, and splicing two different outputs would be silent corruption."""
+        if st.streamed:
+            self.fail(
+                f"the request was restarted after {len(st.output_ids)} streamed tokens (its worker or the "
+                "bus failed); a restarted request samples anew, so this stream cannot continue; send it "
+                "again",
+                [st.rid],
+            )
+            await self.abort([st.rid])
+            return False
+        log.warning("%s: attempt %d starts over (attempt %d did not finish)", st.rid, attempt, st.attempt)
+        st.attempt, st.broken = attempt, False
+        st.text, st.output_ids, st.meta = "", [], {}
+        if st.new_logprobs is not None:
+            st.logprobs = st.new_logprobs()
+        return True
+
+
+def _logprob_factory(
+    p: Prompt, token_texts: Callable[[list[int]], list[str]], shared: LogprobAccumulator | None
+) -> Callable[[], LogprobAccumulator]:
+    def make() -> LogprobAccumulator:
+        assert p.logprob is not None and p.input_ids is not None
+        acc = LogprobAccumulator(p.logprob, p.input_ids, token_texts)
+        if shared is not None:
+            acc.take_input(shared)
+        return acc
+
+    return make
+
+
+def _finish_text(reason: dict[str, Any] | None) -> str:
+    if not reason:
+        return "?"
+    detail = reason.get("matched", reason.get("length", reason.get("message")))
+    return f"{reason.get('type')} ({detail!r})" if detail is not None else str(reason.get("type"))
 
 
 # room in a bus message for everything besides a request's prompt logprob arrays

@@ -15,12 +15,13 @@ import orjson
 from services.gateway.bus_api import BusApi
 from services.gateway.config import GatewayConfig
 from services.gateway.request_manager import RequestManager
+from shared.heartbeat import Heartbeat
 from shared.model_config import ModelConfig
 from shared.transport import Message, Subjects, Subscription, Transport
 
 log = logging.getLogger(__name__)
 _CTL_TIMEOUT_S = 5.0
-_LOST_CHECK_S = 3.0  # requests without output for this long are checked against the scheduler
+_LOST_CHECK_S = 5.0  # requests without output for this long are checked against the scheduler
 
 
 class Gateway:
@@ -31,9 +32,10 @@ class Gateway:
         self.subjects = Subjects(cfg.subject_prefix)
         self.requests = RequestManager(tokenizer, transport, cfg.subject_prefix, model.vocab_size,
                                        None, cfg.gateway_id)  # fmt: skip
-        self.bus_api = BusApi(self.requests, transport)
+        self.bus_api = BusApi(self.requests, transport, cfg.max_bus_request_bytes)
         self.scheduler_info: dict[str, Any] | None = None
         self._seen: dict[tuple[str, str], float] = {}  # (service, worker) -> last heartbeat
+        self._dead_since: float | None = None  # when the last live pipeline went quiet
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
@@ -42,6 +44,10 @@ class Gateway:
     async def start(self) -> None:
         await self.requests.start()
         s = self.subjects
+        # schedulers drop the requests of a gateway whose heartbeat stopped (its clients are gone)
+        self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "gateway", self.requests.out_subject,
+                                    extra={"out_subject": self.requests.out_subject})  # fmt: skip
+        self._heartbeat.start()
         self._subs.append(await self.transport.subscribe(s.ctl("heartbeat"), self._on_heartbeat))
         self._subs.append(
             await self.transport.subscribe(s.api_generate, self.bus_api.on_request, queue="gateways")
@@ -54,6 +60,7 @@ class Gateway:
         ]
 
     async def stop(self) -> None:
+        await self._heartbeat.stop()
         for t in self._tasks:
             t.cancel()
         for sub in self._subs:
@@ -94,40 +101,65 @@ class Gateway:
         return any(("detokenizer", w) in live for svc, w in live if svc == "scheduler")
 
     async def _on_heartbeat(self, m: Message) -> None:
-        beat = orjson.loads(m.data)
-        self._seen[(beat["service"], beat["worker"])] = time.monotonic()
+        try:
+            beat = orjson.loads(m.data)
+            service, worker = beat["service"], beat["worker"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return
+        if service in ("scheduler", "detokenizer") and isinstance(worker, str):
+            self._seen[(service, worker)] = time.monotonic()
 
     async def _watch_lost_requests(self) -> None:
-        """NATS is at-most-once: a request published while no scheduler listened (a NATS restart) is gone.
-        Requests quiet for a while are checked against what the scheduler holds; unknown ones fail."""
+        """The work queue keeps a request until its output arrived here, and delivers it again when its
+        scheduler died or its output was lost, so a request should never be lost. A safety net for
+        what could still lose one (a NATS that restarted without its store): a request that no live
+        scheduler has known for well over the redelivery time fails instead of waiting forever."""
+        unknown_since: dict[str, float] = {}
         while True:
             await asyncio.sleep(_LOST_CHECK_S)
             quiet = self.requests.quiet_rids(_LOST_CHECK_S)
             # known_rids asks one scheduler: with several workers a request could live on another one
             if not quiet or len({w for svc, w in self._seen if svc == "scheduler"}) != 1:
+                unknown_since.clear()
                 continue
             try:
                 known = set((await self.ctl("known_rids", {"rids": quiet}))["rids"])
             except Exception:  # no scheduler answered in time (busy or down): the liveness check decides
                 continue
-            still_quiet = set(self.requests.quiet_rids(_LOST_CHECK_S))
-            lost = [rid for rid in quiet if rid in still_quiet and rid not in known]
+            now = time.monotonic()
+            unknown_since = {rid: unknown_since.get(rid, now) for rid in quiet if rid not in known}
+            limit = 2 * (self.scheduler_info or {}).get("request_ack_wait", 30.0) + 2 * _LOST_CHECK_S
+            lost = [rid for rid, t in unknown_since.items() if now - t > limit]
             if lost:
                 log.error("%d requests were lost on the bus: %s", len(lost), lost[:5])
-                self.requests.fail("the request was lost on the bus (a NATS restart?); send it again", lost)
+                message = (
+                    f"the request was lost on the bus: no scheduler has it after {limit:.0f} s; send it again"
+                )
+                self.requests.fail(message, lost)
 
     async def _watch_workers(self) -> None:
+        """When no pipeline is alive: a stream that sent tokens ends at once with an error naming the
+        dead service (a restarted request samples anew); every other request waits for its worker to
+        come back and the work queue to deliver it again, for at most `recovery_timeout`."""
         while True:
             await asyncio.sleep(0.5)
-            if self.requests.in_flight and self._seen and not self.pipeline_alive:
-                dead = sorted(f"{svc} {w}" for (svc, w), t in self._seen.items()
-                              if time.monotonic() - t >= self.cfg.worker_timeout)  # fmt: skip
-                msg = (
-                    f"no live worker: {', '.join(dead)} stopped answering for {self.cfg.worker_timeout:.0f} s"
-                )
-                log.error("%s; failing %d in-flight requests", msg, self.requests.in_flight)
-                rids = self.requests.active_rids()
-                self.requests.fail(msg)
+            if self.pipeline_alive or not self._seen:
+                self._dead_since = None
+                continue
+            now = time.monotonic()
+            self._dead_since = self._dead_since or now
+            if not self.requests.in_flight:
+                continue
+            dead = sorted(f"{svc} {w}" for (svc, w), t in self._seen.items()
+                          if now - t >= self.cfg.worker_timeout)  # fmt: skip
+            msg = f"no live worker: {', '.join(dead)} stopped answering for {self.cfg.worker_timeout:.0f} s"
+            if now - self._dead_since > self.cfg.recovery_timeout:
+                rids, msg = self.requests.active_rids(), f"{msg}, and did not come back in time"
+            else:
+                rids = self.requests.streamed_rids()
+            if rids:
+                log.error("%s; failing %d in-flight requests", msg, len(rids))
+                self.requests.fail(msg, rids)
                 await self.requests.abort(rids)  # the scheduler may be alive: free its KV
 
     def model_info(self) -> dict[str, Any]:

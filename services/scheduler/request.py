@@ -8,10 +8,13 @@
 Each step a running request computes `len(fill) - num_computed` tokens, capped by the chunk budget:
 a fresh prompt (prefill), the rest of a long prompt (chunked prefill) or the last sampled token
 (decode) are the same operation. It samples once `num_computed == len(fill)`.
+
+`check_request` repeats the gateway's checks on what arrives over the bus: the bus is a trust boundary.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -19,15 +22,20 @@ from services.scheduler.radix_cache import TreeNode
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
+_uids = itertools.count()
+
 
 class Req:
     __slots__ = (
-        "rid", "prompt", "output", "sampling", "out_subject", "created", "arrival", "stop_ids",
-        "num_cached", "num_computed", "last_node", "row", "cached_tokens", "finish", "announced",
-        "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
+        "uid", "rid", "prompt", "output", "sampling", "max_new_tokens", "out_subject", "created",
+        "arrival", "stop_ids", "num_cached", "num_computed", "last_node", "row", "cached_tokens",
+        "finish", "announced", "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
+        "work_token", "attempt",
     )  # fmt: skip
 
-    def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...], context_len: int = 1 << 62) -> None:
+        # per-batch caches key on uid: a client may reuse a rid once its request finished
+        self.uid = next(_uids)
         self.rid = msg.rid
         self.prompt: list[int] = msg.input_ids
         self.output: list[int] = []
@@ -36,6 +44,7 @@ class Req:
         self.created = msg.created
         self.arrival = time.monotonic()  # for the starvation bound
         s = msg.sampling
+        self.max_new_tokens = s.max_new_tokens_for(len(msg.input_ids), context_len)
         self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else frozenset(eos_ids))
         # min_new_tokens masks EOS and the stop ids (even with ignore_eos, as SGLang does)
         self.min_new_mask = sorted(set(s.stop_token_ids) | set(eos_ids)) if s.min_new_tokens else []
@@ -46,6 +55,10 @@ class Req:
         self.cached_tokens: int | None = None  # prompt tokens served by the cache at first admission
         self.finish: dict[str, Any] | None = None
         self.announced = False  # the detokenizer has been told about this request
+        # the work-queue delivery this run came from: the gateway acknowledges it with the token once
+        # it has the output; a later delivery (its worker died) is the next attempt and starts over
+        self.work_token = ""
+        self.attempt = 1
         self.extend_len = 0  # tokens scheduled in the current step
         # logprobs (see logprobs.py): logits positions lp_pos .. lp_end-1 still owe a prompt logprob;
         # computed rows wait in lp_in / lp_out until the request's next output
@@ -72,13 +85,39 @@ class Req:
 
     @property
     def remaining_output(self) -> int:
-        return self.sampling.max_new_tokens - len(self.output)
+        return self.max_new_tokens - len(self.output)
 
     def check_finished(self, token: int, context_len: int) -> None:
         """Called after `token` was appended to `output`."""
         if token in self.stop_ids:
             self.finish = {"type": "stop", "matched": token}
-        elif len(self.output) >= self.sampling.max_new_tokens:
-            self.finish = {"type": "length", "length": self.sampling.max_new_tokens}
+        elif len(self.output) >= self.max_new_tokens:
+            self.finish = {"type": "length", "length": self.max_new_tokens}
         elif self.fill_len >= context_len:
             self.finish = {"type": "length", "length": len(self.output)}
+
+
+def check_request(msg: GenerateReq, vocab_size: int, context_len: int, pool_size: int) -> str | None:
+    """Why the scheduler cannot run this request (the message for its 400), or None."""
+    n = len(msg.input_ids)
+    if n == 0:
+        return "the prompt is empty"
+    s = msg.sampling
+    try:
+        s.verify(vocab_size)
+        s.verify_length(n, context_len)
+    except ValueError as e:
+        return str(e)
+    todo = s.unsupported()
+    if todo:
+        return f"sampling parameter(s) {', '.join(todo)} cannot be honoured yet; leave them unset"
+    if min(msg.input_ids) < 0 or max(msg.input_ids) >= vocab_size:
+        return f"input_ids must be token ids in [0, {vocab_size})"
+    if n + 1 > pool_size:
+        return f"the prompt needs {n + 1} KV slots; the pool has {pool_size}"
+    lp = msg.logprob
+    if lp is not None and (
+        not 0 <= lp.top_k <= vocab_size or any(not 0 <= t < vocab_size for t in lp.token_ids)
+    ):
+        return f"top_k and token_ids of the logprob request must be in [0, {vocab_size})"
+    return None

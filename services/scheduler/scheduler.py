@@ -6,13 +6,23 @@ the next chunk) plus newly admitted requests, within `chunked_prefill_size` pref
 mixed forward. When the KV pool runs short: evict unlocked cache leaves (LRU); if still short, retract
 the most recently admitted request (its KV goes to the cache unlocked, it rejoins the queue and resumes
 from its cached prefix later).
+
+Failures stay with the request that caused them: what arrives is checked first (`check_request`: the
+bus is a trust boundary), and a batched penalty, sampling or logprob operation that raises is retried
+request by request, ending only the requests whose own row fails (abort, 500). Only an error that
+concerns the whole step (the forward) fails the step (`fail_running`).
+
+Batch statistics go to this module's logger at INFO, in SGLang's words: a "Decode batch." line every
+`DECODE_LOG_INTERVAL` decode steps, a "Prefill batch." line when requests were admitted (at most one
+per `PREFILL_LOG_INTERVAL_S`, with the counts since the last one).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,15 +32,21 @@ from services.scheduler.logprobs import input_rows, output_rows, pack
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.radix_cache import RadixCache
-from services.scheduler.request import Req
+from services.scheduler.request import Req, check_request
 from services.scheduler.sampling.penalties import Penalizer
 from services.scheduler.sampling.sampler import SamplingInfo
 from shared.config import EngineConfig
 from shared.messages import BatchTokenOut, GenerateReq, NewReqInfo
+from shared.sampling_params import SamplingParams
+from shared.transport import Work
+
+log = logging.getLogger(__name__)
 
 # after a retraction reserve this share of running requests' output budgets, decaying back per step
 _RETRACT_RATIO = 1.0
 _RATIO_DECAY = 0.002
+DECODE_LOG_INTERVAL = 40  # decode steps between two "Decode batch." lines (SGLang's default)
+PREFILL_LOG_INTERVAL_S = 1.0  # at most one "Prefill batch." line this often; the counts add up between
 
 
 class Scheduler:
@@ -46,34 +62,60 @@ class Scheduler:
         self.running: list[Req] = []
         self.ratio = config.new_token_ratio
         self._out = BatchTokenOut()
-        self._sampling: tuple[tuple[str, ...], SamplingInfo] | None = None
+        self._sampling: tuple[tuple[int, ...], SamplingInfo] | None = None
         self.penalizer = Penalizer(self.req_to_token.table.shape[0], self.vocab_size, runner.device)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
-                      "forward_s": 0.0, "step_s": 0.0, "retractions": 0}  # fmt: skip
+                      "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
+        self._failures = 0  # requests ended by a failure of their own in the current step
+        self._log = BatchLog()
 
     # -- inputs -------------------------------------------------------------------------------
-    def add_request(self, msg: GenerateReq) -> None:
-        req = Req(msg, self.eos_ids)
-        n = len(msg.input_ids)
-        if n == 0:
-            self._finish_now(req, "the prompt is empty")
-        elif n >= self.context_len:
-            self._finish_now(req, f"the prompt has {n} tokens; the context length is {self.context_len}")
-        elif n + 1 > self.kv.size:
-            self._finish_now(req, f"the prompt needs {n + 1} KV slots; the pool has {self.kv.size}")
-        elif msg.logprob is not None and (
-            not 0 <= msg.logprob.top_k <= self.vocab_size
-            or any(not 0 <= t < self.vocab_size for t in msg.logprob.token_ids)
-        ):  # the gateway checks these; a request straight from the bus must not break a whole step
-            self._finish_now(
-                req, f"top_k and token_ids of the logprob request must be in [0, {self.vocab_size})"
+    def add_request(self, msg: GenerateReq, work: Work | None = None) -> None:
+        """Queue a request, or answer it at once with a 400 that names what is wrong with it. `work`:
+        the work-queue delivery it came in (None in-process)."""
+        if work is not None and work.deliveries > 1:
+            live = next((r for r in (*self.waiting, *self.running) if r.rid == msg.rid), None)
+            if live is not None:  # delivered again while it runs here (a late keep-alive): keep going
+                live.work_token = work.token
+                return
+        try:
+            problem = check_request(msg, self.vocab_size, self.context_len, self.kv.size)
+            req = Req(msg, self.eos_ids, self.context_len)
+        except Exception as e:  # values of the wrong type: only a struct built in-process can have them
+            problem = f"invalid request: {type(e).__name__}: {e}"
+            blank = GenerateReq(
+                rid=msg.rid, input_ids=[], sampling=SamplingParams(), out_subject=msg.out_subject
             )
-        else:
+            req = Req(blank, self.eos_ids)
+        if work is not None:
+            req.work_token, req.attempt = work.token, work.deliveries
+        if problem is None:
             self.waiting.append(req)
+        else:
+            self._finish_now(req, problem)
 
-    def abort(
-        self, rids: Iterable[str], finish: dict[str, Any] | None = None, reannounce: bool = False
-    ) -> None:
+    def reject(self, msg: GenerateReq, message: str, status_code: int, work: Work | None = None) -> None:
+        """Answer a request at once with an error, without running it."""
+        blank = GenerateReq(rid=msg.rid, input_ids=[], sampling=SamplingParams(), out_subject=msg.out_subject)
+        req = Req(blank, self.eos_ids)
+        if work is not None:
+            req.work_token, req.attempt = work.token, work.deliveries
+        self._finish_now(req, message, status_code)
+
+    def drop(self, rids: Iterable[str]) -> list[str]:
+        """Release requests without a word to anyone (their output was lost on the bus, or their
+        gateway is gone); returns their work tokens, for the caller to give back or end."""
+        wanted, tokens = set(rids), []
+        for req in [r for r in self.waiting if r.rid in wanted]:
+            self.waiting.remove(req)
+            tokens.append(req.work_token)
+        for req in self.running:
+            if req.rid in wanted and req.finish is None:
+                req.finish = {"type": "dropped"}  # not an abort: _release_finished sends nothing
+                tokens.append(req.work_token)
+        return [t for t in tokens if t]
+
+    def abort(self, rids: Iterable[str], finish: dict[str, Any] | None = None) -> None:
         """Abort requests (finish=None) or finish them with a reason found elsewhere (a stop string the
         detokenizer matched: it already told its client, so nothing more is sent)."""
         wanted = set(rids)
@@ -85,7 +127,6 @@ class Scheduler:
         for req in self.running:
             if req.rid in wanted and req.finish is None:
                 req.finish = finish or {"type": "abort", "message": "aborted"}
-                req.announced = req.announced and not reannounce
 
     def _finish_now(self, req: Req, message: str, status_code: int = 400) -> None:
         req.finish = {"type": "abort", "message": message, "status_code": status_code}
@@ -99,6 +140,7 @@ class Scheduler:
     def step(self) -> BatchTokenOut | None:
         """Run one step; returns this step's output for the detokenizer, or None if nothing happened."""
         t0 = time.perf_counter()
+        self._failures = 0
         self._release_finished()
         batch = self._schedule()
         if batch:
@@ -153,8 +195,10 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[Req]:
         admitted: list[Req] = []
+        failed: list[Req] = []
         reserve = sum(self._reserve(r) for r in self.running)
         check = InBatchPrefixCheck()
+        now = time.monotonic()
         for req in order_waiting(self.waiting, self.tree, self.cfg.schedule_policy, self.cfg.max_queue_wait):
             if budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_count == 0:
                 break
@@ -167,13 +211,25 @@ class Scheduler:
             available = self.kv.free_count + self.tree.evictable_size()
             if not self.running:  # alone it may take the whole pool, chunk by chunk
                 n = min(n, available)
-            if n <= 0 or (self.running and n + reserve + self._reserve(req) > available):
+            # past max_queue_wait only this step's tokens must fit, not the reserve: a long output
+            # cannot hold the queue for good (retraction handles a later shortage)
+            held = 0 if now - req.arrival > self.cfg.max_queue_wait else reserve + self._reserve(req)
+            if n <= 0 or (self.running and n + held > available):
                 self.tree.dec_lock_ref(match.last_node)
                 break
             req.row = self.req_to_token.alloc()
             self.req_to_token.table[req.row, :cached] = match.indices
             req.last_node, req.num_cached, req.num_computed = match.last_node, cached, cached
-            self.penalizer.on_admit(req)
+            try:
+                self.penalizer.on_admit(req)
+            except Exception as e:
+                log.exception("penalty state for request %s failed", req.rid)
+                self.tree.dec_lock_ref(match.last_node)
+                self.req_to_token.free(req.row)
+                req.row, req.last_node, req.num_cached, req.num_computed = None, None, 0, 0
+                self._finish_now(req, f"internal error in penalties for this request: {e!r}", 500)
+                failed.append(req)
+                continue
             if req.cached_tokens is None:
                 req.cached_tokens = min(cached, len(req.prompt))
                 self.stats["prompt_tokens"] += len(req.prompt)
@@ -182,15 +238,19 @@ class Scheduler:
             assert ok, "admission checked the pool"
             self.running.append(req)
             admitted.append(req)
+            self._log.admitted(n, cached)
             budget -= n
             reserve += self._reserve(req)
+        if admitted or failed:
+            gone = {id(r) for r in admitted + failed}
+            self.waiting = [r for r in self.waiting if id(r) not in gone]
         if admitted:
-            wanted = {id(r) for r in admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in wanted]
+            self._log.prefill(self, len(admitted))
         return admitted
 
     def _reserve(self, req: Req) -> int:
-        return math.ceil(self.ratio * max(req.remaining_output, 0))
+        """Slots kept for the rest of the request's output, which the context bounds."""
+        return math.ceil(self.ratio * max(min(req.remaining_output, self.context_len - req.fill_len), 0))
 
     def _extend(self, req: Req, n: int) -> bool:
         """Give `req` KV slots for its next n tokens, evicting cache leaves if needed."""
@@ -262,40 +322,128 @@ class Scheduler:
             a = r.lp_pos
             targets = r.prompt[a + 1 : a + 1 + m]
             hidden = fb.lp_hidden[row : row + m]
-            r.lp_in += input_rows(hidden, self.runner.model.logits, targets, r.lp.top_k, r.lp.token_ids)
-            r.lp_pos += m
+            try:
+                r.lp_in += input_rows(hidden, self.runner.model.logits, targets, r.lp.top_k, r.lp.token_ids)
+                r.lp_pos += m
+            except Exception as e:
+                log.exception("prompt logprobs failed for request %s", r.rid)
+                self._fail_request(r, "prompt logprobs", e)
             row += m
         fb.lp_hidden = None
 
-    def _sample(self, logits: torch.Tensor, samplers: list[Req]) -> list[int]:
-        key = tuple(r.rid for r in samplers)
-        if self._sampling is None or self._sampling[0] != key:  # rebuilt only when the batch changes
-            info = SamplingInfo.build([r.sampling for r in samplers], self.vocab_size, logits.device)
-            self._sampling = (key, info)
-        want = [i for i, r in enumerate(samplers) if r.lp is not None]
+    def _sample(self, logits: torch.Tensor, samplers: list[Req]) -> list[int | None]:
+        """A token per sampler; None for a request that failed alone in this step (it is ended). A
+        batched stage that raises is retried request by request (`_one_by_one`)."""
+        asked = [i for i, r in enumerate(samplers) if r.lp is not None]
         # the raw distribution, before penalties touch the logits in place
-        raw = torch.log_softmax(logits[want], dim=-1) if want else None
-        self.penalizer.apply(logits, samplers)
-        tokens = self.runner.sample(logits, self._sampling[1], [len(r.output) for r in samplers])
-        self.penalizer.on_sample(samplers, tokens)
+        raw = torch.log_softmax(logits[asked], dim=-1) if asked else None
+        pen = self.penalizer
+        try:
+            pen.apply(logits, samplers)
+        except Exception:  # apply writes nothing when it raises, so no row is penalised twice
+            self._one_by_one(
+                "penalties", samplers, lambda i: pen.apply(logits[i : i + 1], samplers[i : i + 1])
+            )
+        try:
+            drawn = self._draw(logits, samplers)
+        except Exception:
+            rows = self._one_by_one(
+                "sampling", samplers, lambda i: self._draw(logits[i : i + 1], samplers[i : i + 1])
+            )
+            none = torch.tensor([-1], device=logits.device)
+            drawn = torch.cat([none if t is None else t for t in rows])
+        tokens = drawn.tolist()
+        if min(tokens) < 0:  # the sampler found no usable logit in these rows (NaN or -inf everywhere)
+            for r, t in zip(samplers, tokens, strict=True):
+                if t < 0 and r.finish is None:
+                    self._fail_request(r, "sampling", ValueError("no finite logit in its row"))
+        alive, alive_drawn = samplers, drawn
+        if self._failures:
+            keep = [i for i, r in enumerate(samplers) if r.finish is None]
+            alive = [samplers[i] for i in keep]
+            alive_drawn = drawn[torch.tensor(keep, dtype=torch.int64, device=drawn.device)]
+        if alive:
+            try:
+                pen.on_sample(alive, alive_drawn)
+            except Exception:  # on_sample writes nothing when it raises
+                self._one_by_one(
+                    "penalties", alive, lambda j: pen.on_sample(alive[j : j + 1], alive_drawn[j : j + 1])
+                )
         if raw is not None:
-            reqs = [samplers[i] for i in want]
-            sampled = tokens[torch.tensor(want, device=tokens.device)]
-            rows = output_rows(raw, sampled, [r.lp.top_k for r in reqs], [r.lp.token_ids for r in reqs])
-            for r, row in zip(reqs, rows, strict=True):
-                r.lp_out.append(row)
-        return tokens.tolist()
+            self._output_logprobs(
+                raw, [samplers[i] for i in asked], drawn[torch.tensor(asked, device=drawn.device)]
+            )
+        if self._failures:
+            return [t if r.finish is None else None for r, t in zip(samplers, tokens, strict=True)]
+        return tokens
 
-    def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int]) -> None:
+    def _draw(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        key = tuple(r.uid for r in reqs)
+        if self._sampling is None or self._sampling[0] != key:  # rebuilt only when the batch changes
+            info = SamplingInfo.build([r.sampling for r in reqs], self.vocab_size, logits.device)
+            self._sampling = (key, info)
+        return self.runner.sample(logits, self._sampling[1], [len(r.output) for r in reqs])
+
+    def _output_logprobs(self, raw: torch.Tensor, reqs: list[Req], sampled: torch.Tensor) -> None:
+        """raw [len(reqs), V]: the log-distribution each of `reqs` sampled from; ended requests skipped."""
+        if self._failures:
+            keep = [j for j, r in enumerate(reqs) if r.finish is None]
+            idx = torch.tensor(keep, dtype=torch.int64, device=raw.device)
+            reqs, raw, sampled = [reqs[j] for j in keep], raw[idx], sampled[idx]
+
+        def append(a: int, b: int) -> None:  # appends only once every row was computed
+            part = reqs[a:b]
+            out = output_rows(
+                raw[a:b], sampled[a:b], [r.lp.top_k for r in part], [r.lp.token_ids for r in part]
+            )
+            for r, row in zip(part, out, strict=True):
+                r.lp_out.append(row)
+
+        if reqs:
+            try:
+                append(0, len(reqs))
+            except Exception:
+                self._one_by_one("output logprobs", reqs, lambda j: append(j, j + 1))
+
+    def _one_by_one(self, what: str, reqs: list[Req], one: Callable[[int], Any]) -> list[Any]:
+        """After the batched `what` raised: run it for each request alone. A request whose own run
+        raises is ended (abort, 500) and gets None."""
+        log.exception("%s failed for a batch of %d requests; retrying them one by one", what, len(reqs))
+        out = []
+        for i, r in enumerate(reqs):
+            if r.finish is not None:
+                out.append(None)
+                continue
+            try:
+                out.append(one(i))
+            except Exception as e:
+                log.exception("%s failed for request %s", what, r.rid)
+                self._fail_request(r, what, e)
+                out.append(None)
+        return out
+
+    def _fail_request(self, req: Req, what: str, e: Exception) -> None:
+        """End a request of this step alone; `_release_finished` reports it and frees its KV."""
+        message = f"internal error in {what} for this request: {type(e).__name__}: {e}"
+        req.finish = {"type": "abort", "message": message, "status_code": 500}
+        req.lp_in, req.lp_out = [], []
+        self._failures += 1
+        self.stats["request_failures"] += 1
+
+    def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int | None]) -> None:
         prefilled = [r for r in batch if r.extend_len > 1]
         for r in batch:
             r.num_computed += r.extend_len
             r.extend_len = 0
+        generated = 0
         for r, tok in zip(samplers, tokens, strict=True):
+            if tok is None:  # failed in this step; _release_finished reports it
+                continue
             r.output.append(tok)
             r.check_finished(tok, self.context_len)
             self._emit(r, [tok])
-        self.stats["generated_tokens"] += len(tokens)
+            generated += 1
+        self.stats["generated_tokens"] += generated
         for r in batch:
             if r.finish is None and r.remaining == 0 and r.remaining_output <= 0:  # max_new_tokens == 0
                 r.finish = {"type": "length", "length": len(r.output)}
@@ -303,6 +451,8 @@ class Scheduler:
         for r in prefilled:
             if r.finish is None:
                 self._cache(r, finished=False)  # share the prefix with requests that arrive meanwhile
+        if len(prefilled) < len(batch):
+            self._log.decode_step(self, generated)
 
     def _release_finished(self) -> None:
         if any(r.finish for r in self.running):
@@ -351,6 +501,8 @@ class Scheduler:
                     spaces_between_special_tokens=s.spaces_between_special_tokens,
                     no_stop_trim=s.no_stop_trim,
                     created=req.created,
+                    attempt=req.attempt,
+                    work_token=req.work_token,
                 )  # fmt: skip
             )
             req.announced = True
@@ -391,6 +543,10 @@ class Scheduler:
         self.tree.reset()
         return True
 
+    def used_tokens(self) -> int:
+        """KV slots held by running requests or locked in the cache (what cannot be evicted)."""
+        return self.kv.size - self.kv.free_count - self.tree.evictable_size()
+
     def check_integrity(self) -> None:
         """free + cached + in use == pool size; raises AssertionError on a leak."""
         in_use = sum(r.num_computed - r.num_cached for r in self.running)
@@ -403,3 +559,49 @@ class Scheduler:
             slots = torch.cat((self.kv.free_slots(), self.tree.all_slots()))
             if slots.unique().numel() != self.kv.size:
                 raise AssertionError("KV slots duplicated between the free list and the cache")
+
+
+class BatchLog:
+    """SGLang's batch statistics lines, on the scheduler's logger; counting costs a few additions."""
+
+    def __init__(self) -> None:
+        self.new_seqs = self.new_tokens = self.cached_tokens = 0
+        self.last_prefill = -math.inf
+        self.decode_steps = self.decode_tokens = 0
+        self.last_decode = time.perf_counter()
+
+    def admitted(self, new_tokens: int, cached: int) -> None:
+        self.new_seqs += 1
+        self.new_tokens += new_tokens
+        self.cached_tokens += cached
+
+    def prefill(self, sched: Scheduler, just_admitted: int) -> None:
+        now = time.monotonic()
+        if now - self.last_prefill < PREFILL_LOG_INTERVAL_S:
+            return
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d",
+                self.new_seqs, self.new_tokens, self.cached_tokens, sched.used_tokens() / sched.kv.size,
+                len(sched.running) - just_admitted, len(sched.waiting),
+            )  # fmt: skip
+        self.new_seqs = self.new_tokens = self.cached_tokens = 0
+        self.last_prefill = now
+
+    def decode_step(self, sched: Scheduler, generated: int) -> None:
+        self.decode_steps += 1
+        self.decode_tokens += generated
+        if self.decode_steps % DECODE_LOG_INTERVAL:
+            return
+        now = time.perf_counter()
+        if log.isEnabledFor(logging.INFO):
+            used = sched.used_tokens()
+            log.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "gen throughput (token/s): %.2f, #queue-req: %d",
+                len(sched.running), used, used / sched.kv.size,
+                self.decode_tokens / max(now - self.last_decode, 1e-9), len(sched.waiting),
+            )  # fmt: skip
+        self.decode_tokens = 0
+        self.last_decode = now

@@ -1,17 +1,27 @@
 """The scheduler behind the bus: requests and aborts arrive on asyncio handlers, the model steps in one
 dedicated thread (a forward never blocks the event loop), each step's output goes back as one message.
+
+Requests come from a work queue (JetStream on NATS): each delivery is kept alive (PROGRESS) while the
+request waits or runs here, and the gateway acknowledges it once it has the final output. If this
+process dies, what it held is delivered again to a live scheduler (a new attempt, from the start).
+A step that fails as a whole ends the running requests with the reason and stops the service: its
+process exits non-zero and its supervisor restarts it, rather than limping on with unknown state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import orjson
 
 from services.scheduler.model_runner import ModelRunner
@@ -20,11 +30,16 @@ from shared.config import EngineConfig
 from shared.heartbeat import Heartbeat
 from shared.messages import AbortReq, Decoder, GenerateReq, encode_split
 from shared.model_files import default_model_path, resolve_model_folder
-from shared.transport import Message, Subjects, Subscription, Transport
+from shared.transport import NAK, PROGRESS, TERM, Message, Subjects, Subscription, Transport, Work
 
 log = logging.getLogger(__name__)
 
 _IDLE_CHECK_S = 1.0  # an idle scheduler checks KV integrity after this long without work
+# a request delivered this many times took every scheduler that ran it down with it: refuse it
+MAX_DELIVERIES = 3
+_ABORTED_KEPT = 10_000  # rids aborted lately: an abort can overtake its request on the bus
+# a gateway silent this long is gone: nobody will read (or acknowledge) its requests' output
+GATEWAY_TIMEOUT_S = 10.0
 
 
 class SchedulerService:
@@ -43,22 +58,39 @@ class SchedulerService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.integrity_error: str | None = None
         self._req_dec, self._abort_dec = Decoder(GenerateReq), Decoder(AbortReq)
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._failed: asyncio.Future[str] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._gateways: dict[str, float] = {}  # a gateway's output subject -> its last heartbeat
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._failed = self._loop.create_future()
         s = self.subjects
-        self._subs.append(await self.transport.subscribe(s.req, self._on_req, queue="schedulers"))
+        ack_wait = self.cfg.request_ack_wait
+        self._subs.append(await self.transport.subscribe_work(s.req, "schedulers", self._on_req, ack_wait))
         self._subs.append(await self.transport.subscribe(s.abort, self._on_abort))
+        self._subs.append(await self.transport.subscribe(s.ctl("heartbeat"), self._on_heartbeat))
         ctl = (("server_info", self._on_server_info), ("flush_cache", self._on_flush_cache),
                ("known_rids", self._on_known_rids))  # fmt: skip
         for what, handler in ctl:
             self._subs.append(await self.transport.subscribe(s.ctl(what), handler, queue="schedulers"))
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
-        self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "scheduler", self.cfg.worker_id)
+        self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "scheduler", self.cfg.worker_id,
+                                    alive=self._thread.is_alive)  # fmt: skip
         self._heartbeat.start()
+        self._tasks = [self._loop.create_task(self._keep_deliveries_alive()),
+                       self._loop.create_task(self._drop_orphans())]  # fmt: skip
+
+    async def wait_failed(self) -> str:
+        """Returns (never raises) once the step thread died: why, for the log and the exit status."""
+        assert self._failed is not None
+        return await asyncio.shield(self._failed)
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         await self._heartbeat.stop()
         for sub in self._subs:
             await sub.unsubscribe()
@@ -85,12 +117,81 @@ class SchedulerService:
 
     # -- bus handlers (event loop) ------------------------------------------------------------
     async def _on_req(self, m: Message) -> None:
-        msg = self._req_dec(m.data)
-        self._put(lambda: self.scheduler.add_request(msg))
+        work = m.work or Work("")
+        try:
+            msg = self._req_dec(m.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # nobody to answer: drop it
+            log.warning("dropping a request that does not decode: %s", e)
+            await self.transport.settle_work(work.token, TERM)
+            return
+        if not _is_subject(msg.out_subject) or msg.rid in self._aborted or self._orphaned(msg.out_subject):
+            # no valid place to answer, its client gave up before it arrived, or its gateway is gone
+            await self.transport.settle_work(work.token, TERM)
+            return
+        if work.deliveries > MAX_DELIVERIES:
+            why = (f"the request was delivered {work.deliveries} times and every scheduler that ran it "
+                   "stopped; it is not tried again")  # fmt: skip
+            log.error("%s: %s", msg.rid, why)
+            self._put(lambda: self.scheduler.reject(msg, why, 500, work))
+            return
+        self._put(lambda: self.scheduler.add_request(msg, work))
 
     async def _on_abort(self, m: Message) -> None:
-        msg = self._abort_dec(m.data)
-        self._put(lambda: self.scheduler.abort(msg.rids, msg.finish, msg.reannounce))
+        try:
+            msg = self._abort_dec(m.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("ignoring an abort that does not decode: %s", e)
+            return
+        if msg.restart:
+            self._put(lambda: self._restart(msg.rids))
+            return
+        if msg.finish is None:
+            for rid in msg.rids:
+                self._aborted[rid] = None
+            while len(self._aborted) > _ABORTED_KEPT:
+                self._aborted.popitem(last=False)
+        self._put(lambda: self.scheduler.abort(msg.rids, msg.finish))
+
+    def _restart(self, rids: list[str]) -> None:
+        """(scheduler thread) Output of these requests was lost: drop them here and give their
+        deliveries back, so the work queue runs them again from the start."""
+        for token in self.scheduler.drop(rids):
+            self._publish_soon(self.transport.settle_work(token, NAK))
+
+    async def _on_heartbeat(self, m: Message) -> None:
+        try:
+            beat = orjson.loads(m.data)
+            if beat.get("service") == "gateway" and isinstance(beat.get("out_subject"), str):
+                self._gateways[beat["out_subject"]] = time.monotonic()
+        except (orjson.JSONDecodeError, AttributeError):
+            pass
+
+    def _orphaned(self, out_subject: str) -> bool:
+        """The gateway that waits for this output was seen, and has been silent for too long."""
+        seen = self._gateways.get(out_subject)
+        return seen is not None and time.monotonic() - seen > GATEWAY_TIMEOUT_S
+
+    async def _drop_orphans(self) -> None:
+        """Requests whose gateway died (its clients are gone with it) stop here and leave the work
+        queue, instead of running, and being delivered again, for nobody."""
+        while True:
+            await asyncio.sleep(GATEWAY_TIMEOUT_S / 4)
+            gone = {subject for subject in self._gateways if self._orphaned(subject)}
+            if gone:
+                tokens = await self.call(functools.partial(_drop_for, gone))
+                for token in tokens:
+                    await self.transport.settle_work(token, TERM)
+                if tokens:
+                    log.warning("dropped %d requests of %d gateway(s) that stopped", len(tokens), len(gone))
+
+    async def _keep_deliveries_alive(self) -> None:
+        """Tell the work queue, well within ack_wait, that the requests here are still being worked
+        on. When the step thread is dead this stops, and the deliveries go to another scheduler."""
+        while True:
+            await asyncio.sleep(self.cfg.request_ack_wait / 3)
+            tokens = await self.call(lambda s: [r.work_token for r in (*s.waiting, *s.running)])
+            for token in tokens:
+                await self.transport.settle_work(token, PROGRESS)
 
     async def _on_server_info(self, m: Message) -> None:
         if m.reply:
@@ -135,27 +236,51 @@ class SchedulerService:
 
     # -- the scheduler thread -----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._steps()
+        except BaseException as e:  # the thread is dying: say so, so the process exits
+            log.exception("the scheduler thread died")
+            self._fail(f"scheduler {self.cfg.worker_id} stopped: {type(e).__name__}: {e}")
+
+    def _steps(self) -> None:
         sched = self.scheduler
-        detok = self.subjects.detok(self.cfg.worker_id)
         while not self._stop.is_set():
             self._drain()
             if sched.has_work:
                 try:
                     out = sched.step()
-                except Exception:
-                    log.exception("scheduler step failed; aborting the running batch")
-                    out = sched.fail_running("internal error in the scheduler step")
+                except Exception as e:  # the whole step failed (per-request failures end one request)
+                    log.exception("scheduler step failed; ending the running batch and stopping")
+                    reason = f"scheduler {self.cfg.worker_id} failed: {type(e).__name__}: {e}"
+                    self._send(sched.fail_running(reason))
+                    self._fail(reason)
+                    return
             else:
                 out = sched.take_output()  # requests rejected on arrival
             if out is not None:
-                for data in encode_split(out, self.transport.max_payload):
-                    asyncio.run_coroutine_threadsafe(self.transport.publish(detok, data), self._loop)
+                self._send(out)
             elif not sched.has_work:
                 # the integrity check walks the whole pool: only after a quiet second, never between
                 # a step's output and the next request
                 if not self._wake.wait(_IDLE_CHECK_S):
                     self._idle_check()
                 self._wake.clear()
+
+    def _send(self, out: Any) -> None:
+        if out is None:
+            return
+        detok = self.subjects.detok(self.cfg.worker_id)
+        for data in encode_split(out, self.transport.max_payload):
+            self._publish_soon(self.transport.publish(detok, data))
+
+    def _publish_soon(self, coro: Any) -> None:
+        """(scheduler thread) Hand a bus coroutine to the event loop; they run in the order handed."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _fail(self, reason: str) -> None:
+        assert self._loop is not None and self._failed is not None
+        self._loop.call_soon_threadsafe(lambda: self._failed.done() or self._failed.set_result(reason))
 
     def _drain(self) -> None:
         while True:
@@ -175,6 +300,17 @@ class SchedulerService:
             if self.integrity_error is None:
                 log.error("%s", e)
             self.integrity_error = str(e)
+
+
+def _drop_for(out_subjects: set[str], sched: Scheduler) -> list[str]:
+    return sched.drop([r.rid for r in (*sched.waiting, *sched.running) if r.out_subject in out_subjects])
+
+
+def _is_subject(subject: str) -> bool:
+    """A concrete NATS subject to publish to: dot-separated non-empty tokens, no wildcards or spaces."""
+    return bool(subject) and all(
+        tok and tok not in ("*", ">") and not any(c.isspace() for c in tok) for tok in subject.split(".")
+    )
 
 
 def _set(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -95,9 +95,16 @@ def test_prompt_longer_than_context_is_refused_and_generation_stops_at_the_conte
     engine = make_engine(context_length=32)
     with pytest.raises(ValueError, match="context length"):
         engine.generate(input_ids=list(range(100, 140)), sampling_params={"max_new_tokens": 4})
-    out = engine.generate(
-        input_ids=list(range(100, 120)), sampling_params={"max_new_tokens": 50, "ignore_eos": True}
-    )
+    prompt = list(range(100, 120))
+    # an explicit max_new_tokens must fit beside the prompt: SGLang's 400, naming both numbers
+    with pytest.raises(
+        ValueError, match="context length of 32 tokens.* 20 tokens from the input.* 50 tokens"
+    ):
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 50, "ignore_eos": True})
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+    assert len(out["output_ids"]) == 12  # prompt + max_new_tokens may fill the context exactly
+    # the default max_new_tokens (128) is cut to what the context leaves
+    out = engine.generate(input_ids=prompt, sampling_params={"ignore_eos": True})
     assert len(out["output_ids"]) == 12
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 

@@ -9,6 +9,8 @@ their own with `start_server`.
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,15 +33,19 @@ SERVICES = ("scheduler", "detokenizer", "gateway")
 
 
 class ServerProcs:
-    """NATS + scheduler + detokenizer + gateway, each a real process; `url` is the gateway's HTTP API."""
+    """NATS + scheduler + detokenizer + gateway, each a real process; `url` is the gateway's HTTP API.
+    NATS requires a token, as under `sglbus serve`: the services get it in the environment; tests that
+    talk to NATS themselves pass `nats_token`."""
 
     def __init__(self, env: dict[str, str] | None = None, scheduler_args: list[str] | None = None) -> None:
-        self.nats = EmbeddedNats().start()
+        self.nats_token = secrets.token_urlsafe(16)
+        self.nats = EmbeddedNats(token=self.nats_token).start()
         self.nats_url = self.nats.url
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.logdir = tempfile.mkdtemp(prefix="sglbus-it-")
-        self.env = {**os.environ, "SGLBUS_LOG_LEVEL": "INFO", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "SGLBUS_LOG_LEVEL": "INFO", "PYTHONUNBUFFERED": "1",
+                    "SGLBUS_NATS_TOKEN": self.nats_token, **(env or {})}  # fmt: skip
         self.scheduler_args = scheduler_args or []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.http = httpx.Client(base_url=self.url, timeout=120)
@@ -160,6 +166,8 @@ class ServerProcs:
                 p.kill()
                 p.wait()
         self.nats.stop()
+        # the logs go too: a failing start already put their tails into its error
+        shutil.rmtree(self.logdir, ignore_errors=True)
 
 
 def start_server(env: dict[str, str] | None = None, scheduler_args: list[str] | None = None) -> ServerProcs:

@@ -20,7 +20,7 @@ DONE = b"[DONE]"
 
 @pytest_asyncio.fixture
 async def nc(srv) -> AsyncIterator[nats.NATS]:
-    conn = await nats.connect(srv.nats_url, name="test-bus-api")
+    conn = await nats.connect(srv.nats_url, name="test-bus-api", token=srv.nats_token)
     yield conn
     await conn.close()
 

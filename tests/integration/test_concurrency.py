@@ -44,3 +44,30 @@ def test_concurrent_clients_get_their_solo_results(srv, client):
         assert a["meta_info"]["prompt_tokens"] == b["meta_info"]["prompt_tokens"]
     # batched, not one after another: 32 x 8 tokens alone would take 256 steps
     assert steps < N_CLIENTS * 8 // 2, steps
+
+
+@pytest.mark.slow
+def test_large_batches_and_long_one_token_prompts_get_no_false_503(srv, client):
+    """A 2000-prompt batch of 1-token requests and long prompts with 1 output token (with and without
+    prompt logprobs), sent while the box is busy with the batch: every one is a 200. (A quiet-request
+    check once declared some of them lost while their output was still on its way.)"""
+    batch = {"text": [f"Item {i}: say hi" for i in range(2000)], "sampling_params": greedy(1)}
+    long = [" ".join(f"w{i}" for i in range(n)) for n in (400, 1500)]  # ~1600 and ~6400 tokens
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+            jobs = [http.post("/generate", json=batch)]
+            for i, text in enumerate(long):
+                extra = {"return_logprob": True, "logprob_start_len": 0} if i % 2 else {}
+                jobs.append(
+                    http.post("/generate", json={"text": text, "sampling_params": greedy(1), **extra})
+                )
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run())
+    for r in results:
+        assert r.status_code == 200, r.text[:500]
+    outs = results[0].json()
+    assert len(outs) == 2000 and all(o["meta_info"]["completion_tokens"] == 1 for o in outs)
+    with_logprobs = results[2].json()["meta_info"]
+    assert len(with_logprobs["input_token_logprobs"]) == with_logprobs["prompt_tokens"]

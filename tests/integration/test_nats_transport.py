@@ -14,7 +14,17 @@ import pytest_asyncio
 
 from shared.nats_server import EmbeddedNats
 from shared.nats_transport import NatsTransport
-from shared.transport import Handler, InProcessTransport, Message, Transport
+from shared.transport import (
+    ACK,
+    NAK,
+    PROGRESS,
+    TERM,
+    BusUnavailable,
+    Handler,
+    InProcessTransport,
+    Message,
+    Transport,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -228,3 +238,107 @@ async def test_nats_server_restart_resubscribes() -> None:
         finally:
             await pub_bus.close()
             await sub_bus.close()
+
+
+# -- work queue ------------------------------------------------------------------------------------
+async def test_work_queue_delivers_once_to_one_member(make_bus: BusFactory) -> None:
+    a_bus, b_bus, pub_bus = [await make_bus() for _ in range(3)]
+    subject = f"t.work.{make_bus.kind}.once"  # type: ignore[attr-defined]
+    got: list[tuple[str, bytes]] = []
+
+    def handler(who: str) -> Handler:
+        async def on(msg: Message) -> None:
+            assert msg.work is not None and msg.work.deliveries == 1
+            got.append((who, msg.data))
+            await (a_bus if who == "a" else b_bus).settle_work(msg.work.token, ACK)
+
+        return on
+
+    await a_bus.subscribe_work(subject, "workers", handler("a"), ack_wait=30)
+    await b_bus.subscribe_work(subject, "workers", handler("b"), ack_wait=30)
+    sent = [str(i).encode() for i in range(200)]
+    for data in sent:
+        await pub_bus.publish_work(subject, data)
+    await wait_until(lambda: len(got) >= len(sent))
+    await asyncio.sleep(0.2)
+    assert sorted(d for _, d in got) == sorted(sent)  # each exactly once
+    assert {w for w, _ in got} == {"a", "b"}  # split between the members
+
+
+async def test_work_queue_redelivers_what_a_dead_worker_held(nats_server: EmbeddedNats) -> None:
+    """A delivery that is never settled comes back (to a live member) after ack_wait, with its
+    delivery count; settling it from another connection with the old token ends it; PROGRESS keeps
+    a delivery alive past ack_wait."""
+    subject = "t.work.redeliver"
+    worker, survivor, pub = [await NatsTransport.connect(nats_server.url, name=f"w{i}") for i in range(3)]
+    try:
+        first: asyncio.Queue[Message] = asyncio.Queue()
+        again: asyncio.Queue[Message] = asyncio.Queue()
+
+        async def dies(msg: Message) -> None:
+            await first.put(msg)  # and never settles it
+
+        async def lives(msg: Message) -> None:
+            await again.put(msg)
+
+        await worker.subscribe_work(subject, "g", dies, ack_wait=1.0)
+        await pub.publish_work(subject, b"job")
+        held = await asyncio.wait_for(first.get(), 5)
+        await worker.close()  # the worker dies holding it
+        await survivor.subscribe_work(subject, "g", lives, ack_wait=1.0)
+        redelivered = await asyncio.wait_for(again.get(), 10)
+        assert redelivered.data == b"job" and redelivered.work.deliveries == 2
+        await pub.settle_work(held.work.token, ACK)  # an old token settles the message
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(again.get(), 2.5)
+
+        await pub.publish_work(subject, b"slow")
+        slow = await asyncio.wait_for(again.get(), 5)
+        for _ in range(4):  # 2 s of work, ack_wait 1 s, kept alive
+            await asyncio.sleep(0.5)
+            await survivor.settle_work(slow.work.token, PROGRESS)
+        assert again.empty()
+        await survivor.settle_work(slow.work.token, NAK)  # given back: delivered again at once
+        back = await asyncio.wait_for(again.get(), 5)
+        assert back.data == b"slow" and back.work.deliveries == 2
+        await survivor.settle_work(back.work.token, TERM)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(again.get(), 2.5)
+    finally:
+        for bus in (worker, survivor, pub):
+            await bus.close()
+
+
+async def test_work_queue_survives_a_nats_restart(tmp_path) -> None:
+    """Stored before publish_work returns: a message published while no worker listens is delivered
+    after NATS restarted (same store) and a worker subscribed."""
+    subject = "t.work.restart"
+    with EmbeddedNats() as server:
+        pub = await NatsTransport.connect(server.url, name="pub")
+        try:
+            await pub.publish_work(subject, b"kept")
+        finally:
+            await pub.close()
+        server.restart()
+        worker = await NatsTransport.connect(server.url, name="worker")
+        got: asyncio.Queue[Message] = asyncio.Queue()
+
+        async def on(msg: Message) -> None:
+            await got.put(msg)
+
+        try:
+            await worker.subscribe_work(subject, "g", on, ack_wait=30)
+            assert (await asyncio.wait_for(got.get(), 10)).data == b"kept"
+        finally:
+            await worker.close()
+
+
+async def test_publish_work_without_nats_is_bus_unavailable() -> None:
+    server = EmbeddedNats().start()
+    bus = await NatsTransport.connect(server.url, name="orphan")
+    try:
+        server.stop()
+        with pytest.raises(BusUnavailable):
+            await asyncio.wait_for(bus.publish_work("t.work.down", b"x"), 30)
+    finally:
+        await bus.close()

@@ -63,6 +63,10 @@ BAD: dict[str, tuple[Any, list[str]]] = {
         {"input_ids": [1] * 9000, "sampling_params": {"max_new_tokens": 1}},
         ["9000 tokens", str(CONTEXT_LEN - 1), "context"],
     ),
+    "prompt_plus_max_new_tokens_beyond_context": (  # SGLang's message, naming both numbers
+        {"input_ids": [1] * 8000, "sampling_params": {"max_new_tokens": 1000}},
+        [f"maximum context length of {CONTEXT_LEN} tokens", "9000 tokens", "8000 tokens", "1000 tokens"],
+    ),
     "sampling_params_not_an_object": ({"text": "hi", "sampling_params": 3}, ["sampling_params", "object"]),
     "sampling_params_list_wrong_length": (
         {"text": ["a", "b"], "sampling_params": [{}]},

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from services.scheduler.request import Req
-from services.scheduler.sampling.penalties import Penalizer
+from services.scheduler.sampling.penalties import MAX_BIAS, Penalizer
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
@@ -125,3 +126,32 @@ def test_batch_changes_rebuild_the_touched_pairs():
         pen.on_sample(batch, tokens)
         for r, t in zip(batch, tokens.tolist(), strict=True):
             r.output.append(t)
+
+
+def test_huge_logit_biases_are_clamped_so_probabilities_stay_finite():
+    r = make_req("b", 0, [1], [], logit_bias={"5": 1e308, "6": -1e308, "7": 3.0})
+    pen = Penalizer(2, V, torch.device("cpu"))
+    pen.on_admit(r)
+    logits = torch.randn(1, V)
+    got = logits.clone()
+    pen.apply(got, [r])
+    assert torch.isfinite(got).all()
+    assert got[0, 5] == logits[0, 5] + MAX_BIAS and got[0, 6] == logits[0, 6] - MAX_BIAS
+    assert torch.isclose(got[0, 7], logits[0, 7] + 3.0)
+    probs = torch.softmax(got, dim=-1)
+    assert probs[0, 5] == 1.0 and probs[0, 6] == 0.0
+
+
+def test_apply_that_raises_leaves_the_logits_untouched():
+    """The scheduler then retries request by request: nothing may have been applied twice."""
+    biased = make_req("b", 0, [1], [], logit_bias={"5": 2.0}, min_new_tokens=1)
+    counted = make_req("c", 1, [1], [3], frequency_penalty=1.0)
+    pen = Penalizer(2, V, torch.device("cpu"))
+    pen.on_admit(biased)  # `counted` never got its state: building its pairs raises
+    logits = torch.randn(2, V)
+    got = logits.clone()
+    with pytest.raises(KeyError):
+        pen.apply(got, [biased, counted])
+    assert torch.equal(got, logits)
+    pen.apply(got[:1], [biased])
+    assert got[0, 5] == logits[0, 5] + 2.0 and torch.isinf(got[0, EOS])

@@ -66,3 +66,37 @@ def test_seeded_rows_reproduce_regardless_of_batch_and_follow_the_distribution()
     )
     freq = torch.bincount(many, minlength=V).float() / 4000
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
+
+
+def test_any_seed_the_bus_carries_is_reduced_mod_2_63():
+    logits = torch.randn(1, V).expand(32, V)
+    pos = torch.arange(32).unsqueeze(1)
+
+    def draws(seed: int) -> torch.Tensor:
+        return sample(logits, SamplingInfo.build([SamplingParams(sampling_seed=seed)] * 32, V, "cpu"), pos)
+
+    assert torch.equal(draws(1 << 63), draws(0))  # "Overflow when unpacking long long" before
+    assert torch.equal(draws((1 << 64) - 1), draws((1 << 63) - 1))
+    assert torch.equal(draws(-1), draws((1 << 63) - 1))
+    assert not torch.equal(draws(1), draws(0))
+
+
+def test_rows_without_finite_logits_get_minus_one_and_leave_their_neighbours_alone():
+    torch.manual_seed(2)
+    good = torch.randn(V)
+    inf_row = torch.zeros(V)
+    inf_row[3] = float("inf")  # an overflowing bias: that token, not a crash
+    huge = torch.zeros(V)
+    huge[4] = 1e35  # finite, but inf once divided by a small temperature
+    some_nan = torch.randn(V)
+    some_nan[::2] = float("nan")  # those tokens are out
+    rows = [good, inf_row, huge, some_nan, torch.full((V,), float("nan")), torch.full((V,), float("-inf"))]
+    seeded = SamplingParams(temperature=1.0, sampling_seed=5)
+    params = [seeded, SamplingParams(), SamplingParams(temperature=1e-5), SamplingParams(),
+              SamplingParams(), SamplingParams(temperature=0)]  # fmt: skip
+    pos = torch.zeros(len(rows), 1, dtype=torch.int64)
+    for _ in range(20):
+        out = sample(torch.stack(rows), SamplingInfo.build(params, V, "cpu"), pos).tolist()
+        assert out[1:3] == [3, 4] and out[3] % 2 == 1 and out[4:] == [-1, -1]
+        alone = sample(good.unsqueeze(0), SamplingInfo.build([seeded], V, "cpu"), pos[:1])
+        assert out[0] == alone.item()

@@ -12,7 +12,10 @@ are built when the batch changes and grow by the newly seen sampled tokens. Noth
 until a request uses a penalty; a batch where none does costs one check.
 Definitions (as SGLang and OpenAI): frequency subtracts penalty * count, presence subtracts penalty
 once a token appeared, repetition divides positive logits (multiplies negative ones) of tokens seen in
-the prompt or output; min_new_tokens masks EOS and stop_token_ids until reached; logit_bias adds.
+the prompt or output; min_new_tokens masks EOS and stop_token_ids until reached; logit_bias adds,
+clamped to +-MAX_BIAS (already certainty either way; 1e308 would overflow float32 to inf).
+`apply` and `on_sample` compute everything before writing, so when one raises nothing changed and the
+scheduler can retry request by request.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from services.scheduler.request import Req
+
+MAX_BIAS = 1e4
 
 
 def uses_counts(req: Req) -> bool:
@@ -34,7 +39,7 @@ class Penalizer:
         self.rows, self.vocab_size, self.device = rows, vocab_size, device
         self.out_counts: torch.Tensor | None = None
         self.seen: dict[int, set[int]] = {}
-        self._plan_key: tuple[str, ...] | None = None
+        self._plan_key: tuple[int, ...] | None = None
         self._plan: _Plan | None = None
 
     @torch.inference_mode()  # the logits are inference tensors; the state must be too
@@ -60,6 +65,7 @@ class Penalizer:
         plan = self._plan_for(reqs)
         if plan is None:
             return
+        vals = None
         if plan.pair_b.numel():
             b, t = plan.pair_b, plan.pair_t
             counts = self.out_counts[plan.rows_b[b], t].float()
@@ -67,9 +73,6 @@ class Penalizer:
             if plan.any_rep:
                 rep = plan.rep_b[b]
                 vals = torch.where(vals > 0, vals / rep, vals * rep)
-            logits[b, t] = vals
-        if plan.bias_rows is not None:
-            logits.index_put_((plan.bias_rows, plan.bias_cols), plan.bias_vals, accumulate=True)
         # min_new_tokens depends on each request's output length, so it is rebuilt every step
         rows, cols = [], []
         for i, r in plan.min_new:
@@ -77,31 +80,40 @@ class Penalizer:
                 ids = r.min_new_mask
                 rows += [i] * len(ids)
                 cols += ids
-        if rows:
-            dev = logits.device
-            logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        dev = logits.device
+        masked = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)) if rows else None
+        if vals is not None:
+            logits[plan.pair_b, plan.pair_t] = vals
+        if plan.bias_rows is not None:
+            logits.index_put_((plan.bias_rows, plan.bias_cols), plan.bias_vals, accumulate=True)
+        if masked is not None:
+            logits[masked] = float("-inf")
 
     @torch.inference_mode()
     def on_sample(self, reqs: Sequence[Req], tokens: torch.Tensor) -> None:
-        plan = self._plan
-        if plan is None or plan.count_idx is None or self._plan_key != _key(reqs):
+        plan = self._plan_for(reqs)
+        if plan is None or plan.count_idx is None:
             return
         sampled = tokens.index_select(0, plan.count_idx)
-        self.out_counts.index_put_(
-            (plan.count_rows, sampled),
-            torch.ones(plan.count_idx.numel(), dtype=torch.int32, device=self.device),
-            accumulate=True,
-        )
-        new_b, new_t = [], []
-        for i, row, t in zip(plan.counted_b, plan.counted_rows, sampled.tolist(), strict=True):
-            seen = self.seen[row]
-            if t not in seen:
-                seen.add(t)
-                new_b.append(i)
-                new_t.append(t)
-        if new_b:
-            plan.pair_b = torch.cat((plan.pair_b, torch.tensor(new_b, device=self.device)))
-            plan.pair_t = torch.cat((plan.pair_t, torch.tensor(new_t, device=self.device)))
+        new = [
+            (i, row, t)
+            for i, row, t in zip(plan.counted_b, plan.counted_rows, sampled.tolist(), strict=True)
+            if t not in self.seen[row]
+        ]
+        ones = torch.ones(plan.count_idx.numel(), dtype=torch.int32, device=self.device)
+        dev = self.device
+        more = None
+        if new:
+            more = (
+                torch.tensor([i for i, _, _ in new], device=dev),
+                torch.tensor([t for *_, t in new], device=dev),
+            )
+        self.out_counts.index_put_((plan.count_rows, sampled), ones, accumulate=True)
+        if more is not None:
+            for _, row, t in new:
+                self.seen[row].add(t)
+            plan.pair_b = torch.cat((plan.pair_b, more[0]))
+            plan.pair_t = torch.cat((plan.pair_t, more[1]))
 
     def _plan_for(self, reqs: Sequence[Req]) -> _Plan | None:
         key = _key(reqs)
@@ -110,8 +122,8 @@ class Penalizer:
         return self._plan
 
 
-def _key(reqs: Sequence[Req]) -> tuple[str, ...]:
-    return tuple(r.rid for r in reqs)
+def _key(reqs: Sequence[Req]) -> tuple[int, ...]:
+    return tuple(r.uid for r in reqs)
 
 
 class _Plan:
@@ -177,7 +189,7 @@ class _Plan:
                 for token, bias in r.sampling.logit_bias.items():
                     rows_.append(i)
                     cols.append(int(token))
-                    vals.append(float(bias))
+                    vals.append(min(max(float(bias), -MAX_BIAS), MAX_BIAS))
             plan.bias_rows = torch.tensor(rows_, device=device)
             plan.bias_cols = torch.tensor(cols, device=device)
             plan.bias_vals = torch.tensor(vals, dtype=torch.float32, device=device)

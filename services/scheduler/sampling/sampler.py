@@ -3,11 +3,17 @@
 Per-request parameters live in tensors built once per batch composition (`SamplingInfo.build`);
 a step is tensor ops only. Sorting the vocabulary happens only when some row filters by top-k/p or
 min-p. Rows with a `sampling_seed` draw with Gumbel noise hashed from (seed, output position, token),
-so the same seed gives the same tokens whatever batch the request lands in.
+so the same seed gives the same tokens whatever batch the request lands in; seeds are taken mod 2^63
+(as the gateway derives the seeds of n > 1 samples), so any seed the bus can carry fits int64.
+
+One bad row never breaks the batch's draw: a row whose logits are NaN, +inf or beyond +-1e30 is
+repaired (NaN bans that token, the rest is clamped) and a row left without any usable logit samples
+token -1, which the scheduler turns into an abort of that request alone.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +22,10 @@ import torch
 from shared.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK53 = (1 << 53) - 1
+SEED_MODULUS = 1 << 63
+# a repaired row's logits stay within +-_LOGIT_CAP: divided by any non-greedy temperature they stay finite
+_LOGIT_CAP = 1e30
+assert _LOGIT_CAP / GREEDY_TEMPERATURE < torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -35,6 +45,9 @@ class SamplingInfo:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SamplingInfo:
         greedy = [p.is_greedy for p in params]
+        if not all(g or math.isfinite(p.temperature) for p, g in zip(params, greedy, strict=True)):
+            # NaN probabilities would make multinomial fail the batch (on CUDA: the whole device)
+            raise ValueError("a sampled row has a non-finite temperature")
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         seeded = [p.sampling_seed is not None and not g for p, g in zip(params, greedy, strict=True)]
 
@@ -49,7 +62,7 @@ class SamplingInfo:
             top_ps=col([p.top_p for p in params], torch.float32),
             min_ps=col([p.min_p for p in params], torch.float32),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            seeds=col([p.sampling_seed or 0 for p in params], torch.int64),
+            seeds=col([(p.sampling_seed or 0) % SEED_MODULUS for p in params], torch.int64),
             seeded=torch.tensor(seeded, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             need_sort=any(
@@ -62,9 +75,21 @@ class SamplingInfo:
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B]. `positions` [B, 1] int64: each row's output index, which
-    keys the seeded noise."""
-    greedy_ids = logits.argmax(dim=-1)
+    """logits [B, V] float32 -> token ids [B], -1 for a row without a usable logit. `positions` [B, 1]
+    int64: each row's output index, which keys the seeded noise."""
+    top, greedy_ids = logits.max(dim=-1)  # top is NaN where the row has one
+    if bool(((top > -_LOGIT_CAP) & (top < _LOGIT_CAP)).all()):  # the usual case: nothing to repair
+        return _draw(logits, info, positions, greedy_ids)
+    banned = logits.isnan() | (logits == float("-inf"))
+    dead = banned.all(dim=-1)
+    fixed = logits.clamp(-_LOGIT_CAP, _LOGIT_CAP).masked_fill(banned, float("-inf"))
+    fixed.masked_fill_(dead.unsqueeze(1), 0.0)  # a dead row draws anything; its token is replaced
+    return _draw(fixed, info, positions, fixed.argmax(dim=-1)).masked_fill(dead, -1)
+
+
+def _draw(
+    logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor, greedy_ids: torch.Tensor
+) -> torch.Tensor:
     if info.all_greedy:
         return greedy_ids
     probs = torch.softmax(logits / info.temperatures, dim=-1)
@@ -97,4 +122,4 @@ def _hashed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int
     return (-torch.log(u)).float()
 
 
-__all__ = ["GREEDY_TEMPERATURE", "SamplingInfo", "sample"]
+__all__ = ["GREEDY_TEMPERATURE", "SEED_MODULUS", "SamplingInfo", "sample"]

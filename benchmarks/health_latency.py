@@ -1,0 +1,170 @@
+"""How fast `/health` answers while the gateway takes the largest requests it accepts.
+
+A thread polls `GET /health` back to back (its own connection) the whole time; meanwhile the main
+thread sends, one phase at a time: nothing (the baseline), a text prompt of `--text-mib` MiB, an
+`input_ids` prompt whose JSON fills the HTTP body limit, a text prompt just under the context that the
+gateway must really tokenize, and a bus-API payload over its limit. A streaming request runs through
+every phase and must finish normally (a blocked event loop used to fail it through the worker
+watchdog). Prints /health p50 / p99 / max per phase.
+
+    sglbus bench health-latency --launch-server
+    python -m benchmarks.health_latency --base-url http://127.0.0.1:30000 --nats-url nats://127.0.0.1:4222
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import nats
+import orjson
+
+from benchmarks.launch import LaunchedServer, append_result, machine_info, percentile
+
+
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL"), help="the server's NATS")
+    p.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
+    p.add_argument("--server-args", default="", help="passed to `sglbus serve` with --launch-server")
+    p.add_argument("--text-mib", type=float, default=8.0, help="size of the long text prompt")
+    p.add_argument("--repeat", type=int, default=3, help="requests per phase")
+    p.add_argument("--output-file", default=None, help="append one JSONL row")
+    return p.parse_args(argv)
+
+
+class Poller(threading.Thread):
+    """GET /health back to back; `mark(name)` starts a new phase of the record."""
+
+    def __init__(self, base: str) -> None:
+        super().__init__(daemon=True)
+        self.base, self.phase, self.stop = base, "baseline", threading.Event()
+        self.samples: dict[str, list[float]] = {}
+        self.failures = 0
+
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=30) as http:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                ok = http.get("/health").status_code == 200
+                self.samples.setdefault(self.phase, []).append((time.perf_counter() - t0) * 1000)
+                self.failures += not ok
+                time.sleep(0.002)
+
+
+def _text(mib: float) -> str:
+    words = "the quick brown fox jumps over a lazy dog while it rains in spain ".split()
+    out, n, i = [], 0, 0
+    while n < mib * (1 << 20):
+        w = words[i % len(words)] + " "
+        out.append(w)
+        n += len(w)
+        i += 1
+    return "".join(out)
+
+
+def run(args: argparse.Namespace, base: str, nats_url: str | None, token: str | None) -> dict[str, Any]:
+    http = httpx.Client(base_url=base, timeout=300)
+    info = http.get("/get_server_info").json()
+    body_limit, bus_limit = info["gateway"]["max_body_bytes"], info["gateway"].get("max_bus_request_bytes")
+    context = info["context_length"]
+    statuses: dict[str, list[int]] = {}
+    stream_result: dict[str, Any] = {}
+
+    def streamer() -> None:
+        body = {"text": "Tell me a long story.", "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}  # fmt: skip
+        last = None
+        with httpx.Client(base_url=base, timeout=300) as c, c.stream("POST", "/generate", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = orjson.loads(line[6:])
+        stream_result["ok"] = bool(last and "error" not in last and last["meta_info"]["finish_reason"])
+        stream_result["last"] = last if not stream_result["ok"] else None
+
+    poller = Poller(base)
+    poller.start()
+    time.sleep(2.0)
+    stream = threading.Thread(target=streamer)
+    stream.start()
+    ids_per_byte = len(orjson.dumps({"input_ids": [12345] * 1000})) / 1000
+    n_ids = int((body_limit - 1024) / ids_per_byte)
+    phases = {
+        f"text {args.text_mib:g} MiB": orjson.dumps({"text": _text(args.text_mib)}),
+        f"input_ids x{n_ids} ({body_limit >> 20} MiB body)": orjson.dumps({"input_ids": [12345] * n_ids}),
+        f"text of ~{context - 200} tokens (tokenized)": orjson.dumps(
+            {"text": _text(4 * (context - 200) / (1 << 20)), "sampling_params": {"max_new_tokens": 1}}
+        ),
+    }
+    for name, data in phases.items():
+        poller.mark(name)
+        for _ in range(args.repeat):
+            r = http.post("/generate", content=data, headers={"content-type": "application/json"})
+            statuses.setdefault(name, []).append(r.status_code)
+    if nats_url and bus_limit:
+        name = f"bus API {(bus_limit >> 20) * 10} MiB payload"
+        poller.mark(name)
+
+        async def bus() -> None:
+            nc = await nats.connect(nats_url, token=token)
+            payload = b'{"text": "' + b"a" * (bus_limit * 10) + b'"}'
+            for _ in range(args.repeat):
+                msg = await nc.request("sglbus.api.generate", payload, timeout=120)
+                statuses.setdefault(name, []).append(orjson.loads(msg.data)["error"]["code"])
+            await nc.close()
+
+        asyncio.run(bus())
+    poller.mark("after")
+    stream.join()
+    time.sleep(1.0)
+    poller.stop.set()
+    poller.join()
+    result: dict[str, Any] = {"health_failures": poller.failures, "stream_ok": stream_result["ok"],
+                              "stream_last": stream_result.get("last"), "phases": {}}  # fmt: skip
+    for name, ms in poller.samples.items():
+        result["phases"][name] = {"probes": len(ms), "p50_ms": percentile(ms, 50),
+                                  "p99_ms": percentile(ms, 99), "max_ms": max(ms),
+                                  "statuses": statuses.get(name, [])}  # fmt: skip
+    return result
+
+
+def print_block(r: dict[str, Any]) -> None:
+    print("\n{s:{c}^{n}}".format(s=" /health while large requests arrive ", n=86, c="="))
+    print(f"{'phase':<44} {'probes':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  answers")
+    for name, p in r["phases"].items():
+        print(f"{name:<44} {p['probes']:>6} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} {p['max_ms']:>8.1f}  "
+              f"{p['statuses']}")  # fmt: skip
+    print(f"/health failures: {r['health_failures']}; the stream running meanwhile finished normally: "
+          f"{r['stream_ok']}")  # fmt: skip
+    print("=" * 86)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
+    machine = machine_info()
+    if args.launch_server:
+        with LaunchedServer(args.server_args, args.host) as server:
+            result = run(args, server.url, server.nats_url or args.nats_url, server.nats_token)
+    else:
+        base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+        result = run(args, base, args.nats_url, os.environ.get("SGLBUS_NATS_TOKEN"))
+    print_block(result)
+    if args.output_file:
+        append_result(args.output_file, vars(args), machine, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The HTTP API key: `Authorization: Bearer <key>` on every route but the health probes; a missing or
+wrong key gets a 401 in the API's error shape, and streams pass through the check untouched."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from services.gateway.config import GatewayConfig
+from services.gateway.http_app import ApiKeyAuth, build_app
+
+KEY = "k3y-for-tests"
+
+
+def app_with_key() -> Starlette:
+    async def ok(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(3):
+            yield f"data: {i}\n\n".encode()
+
+    async def stream(request: Request) -> Response:
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    routes = [Route("/health", ok), Route("/health_generate", ok), Route("/generate", ok, methods=["POST"]),
+              Route("/stream", stream)]  # fmt: skip
+    return Starlette(routes=routes, middleware=[Middleware(ApiKeyAuth, api_key=KEY)])
+
+
+@pytest.fixture
+def client() -> TestClient:
+    return TestClient(app_with_key())
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"X-API-Key": KEY},
+    ],  # fmt: skip
+)
+def test_missing_or_wrong_key_gets_401(client: TestClient, headers: dict[str, str]) -> None:
+    r = client.post("/generate", headers=headers, json={})
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"] == "Bearer"
+    body = r.json()
+    assert body["error"]["code"] == 401 and "API key" in body["error"]["message"]
+    assert body["object"] == "error" and body["message"] == body["error"]["message"]  # error()'s shape
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_right_key_passes(client: TestClient, scheme: str) -> None:
+    r = client.post("/generate", headers={"Authorization": f"{scheme} {KEY}"}, json={})
+    assert r.status_code == 200 and r.text == "ok"
+
+
+@pytest.mark.parametrize("path", ["/health", "/health_generate"])
+def test_health_probes_stay_open(client: TestClient, path: str) -> None:
+    assert client.get(path).status_code == 200
+
+
+def test_streams_pass_through(client: TestClient) -> None:
+    with client.stream("GET", "/stream", headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        assert list(r.iter_lines()) == ["data: 0", "", "data: 1", "", "data: 2", ""]
+    assert client.get("/stream").status_code == 401
+
+
+def fake_gateway(api_key: str | None) -> SimpleNamespace:
+    return SimpleNamespace(cfg=GatewayConfig(api_key=api_key), ready=True, model_info=lambda: {"model": "m"})
+
+
+def test_build_app_checks_the_key_when_one_is_configured() -> None:
+    http = TestClient(build_app(fake_gateway(KEY)))
+    assert http.get("/get_model_info").status_code == 401
+    r = http.get("/get_model_info", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json() == {"model": "m"}
+    assert http.get("/health").status_code == 200
+
+
+def test_build_app_without_a_key_is_open() -> None:
+    http = TestClient(build_app(fake_gateway(None)))
+    assert http.get("/get_model_info").status_code == 200

@@ -1,0 +1,258 @@
+"""The scheduler with a fake model (no weights, milliseconds): requests off the bus are checked, a
+request failing alone ends alone, a long output never holds the queue, batch statistics are logged."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+
+import services.scheduler.scheduler as scheduler_module
+from services.scheduler.memory import KVPool, ReqToTokenPool
+from services.scheduler.sampling.sampler import sample
+from services.scheduler.scheduler import Scheduler
+from shared.config import EngineConfig
+from shared.messages import GenerateReq, LogprobReq
+from shared.sampling_params import SamplingParams
+
+V, EOS, POISON = 64, 2, 63  # POISON: the fake model answers it with NaN logits
+
+
+class FakeRunner:
+    """Next token = last input token + 1 (mod V - 1: never POISON); NaN logits after POISON."""
+
+    def __init__(self, pool: int = 256, context: int = 64, rows: int = 8) -> None:
+        self.device = torch.device("cpu")
+        self.context_len = context
+        self.max_running_requests = rows
+        self.model_config = SimpleNamespace(eos_token_ids=(EOS,), vocab_size=V)
+        shape = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
+        self.kv = KVPool(shape, pool, torch.float32, "cpu")
+        self.req_to_token = ReqToTokenPool(rows + 8, context + 1, "cpu")
+        self.model = SimpleNamespace(logits=lambda hidden: hidden * 10.0)
+
+    def forward(self, fb) -> torch.Tensor:
+        if fb.lp_idx is not None:
+            fb.lp_hidden = torch.nn.functional.one_hot(fb.input_ids[fb.lp_idx], V).float()
+        last = fb.input_ids[fb.logits_idx]
+        logits = torch.nn.functional.one_hot((last + 1) % (V - 1), V).float() * 10.0
+        logits[last == POISON] = float("nan")
+        return logits
+
+    def sample(self, logits, info, output_lens):
+        return sample(logits, info, torch.tensor(output_lens).unsqueeze(1))
+
+
+def make(pool: int = 256, context: int = 64, **cfg) -> Scheduler:
+    return Scheduler(EngineConfig(**cfg), FakeRunner(pool, context))
+
+
+def msg(rid: str, prompt: list[int], logprob: LogprobReq | None = None, **params) -> GenerateReq:
+    sp = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 4, **params})
+    return GenerateReq(rid=rid, input_ids=prompt, sampling=sp, out_subject="out", logprob=logprob)
+
+
+def run(sched: Scheduler, max_steps: int = 500) -> dict[str, dict]:
+    """Step until idle; per rid: its tokens and finish reason."""
+    got: dict[str, dict] = {}
+
+    def collect(out) -> None:
+        for rid, toks, fin in zip(out.rids, out.token_ids, out.finish_reasons, strict=True):
+            entry = got.setdefault(rid, {"tokens": [], "finish": None})
+            entry["tokens"] += toks
+            entry["finish"] = fin or entry["finish"]
+
+    if (out := sched.take_output()) is not None:
+        collect(out)
+    for _ in range(max_steps):
+        if not sched.has_work:
+            break
+        if (out := sched.step()) is not None:
+            collect(out)
+    assert not sched.has_work
+    sched.check_integrity()
+    return got
+
+
+def expected(prompt: list[int], n: int = 4) -> list[int]:
+    return [(prompt[-1] + 1 + i) % (V - 1) for i in range(n)]
+
+
+BAD_PARAMS = {
+    "temperature": {"temperature": math.nan},
+    "top_p": {"top_p": math.nan},
+    "min_p": {"min_p": math.nan},
+    "frequency_penalty": {"frequency_penalty": math.nan},
+    "presence_penalty": {"presence_penalty": math.inf},
+    "repetition_penalty": {"repetition_penalty": math.nan},
+    "sampling_seed": {"sampling_seed": 1 << 64},
+    "max_new_tokens": {"max_new_tokens": 1 << 63},
+    "logit_bias": {"logit_bias": {"abc": 1.0}},
+    "stop_token_ids": {"stop_token_ids": [V]},
+    "regex": {"regex": "a+"},
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_PARAMS))
+def test_bad_requests_straight_from_the_bus_are_refused_alone(field):
+    sched = make()
+    sched.add_request(msg("good", [5, 6, 7]))
+    sched.add_request(msg("bad", [5, 6, 7], **BAD_PARAMS[field]))
+    got = run(sched)
+    assert got["good"] == {"tokens": expected([5, 6, 7]), "finish": {"type": "length", "length": 4}}
+    finish = got["bad"]["finish"]
+    assert got["bad"]["tokens"] == [] and finish["type"] == "abort" and finish["status_code"] == 400
+    assert field in finish["message"]
+
+
+def test_prompt_and_context_checks_from_the_bus():
+    sched = make(context=32)
+    sched.add_request(msg("vocab", [5, V]))
+    sched.add_request(msg("too_long", list(range(3, 35))))
+    sched.add_request(msg("no_room", list(range(3, 23)), max_new_tokens=13))
+    sched.add_request(msg("fits", list(range(3, 23)), max_new_tokens=12, ignore_eos=True))
+    sched.add_request(msg("default", list(range(3, 23)), max_new_tokens=None, ignore_eos=True))
+    got = run(sched)
+    assert "[0, 64)" in got["vocab"]["finish"]["message"]
+    assert "32 tokens" in got["too_long"]["finish"]["message"]
+    no_room = got["no_room"]["finish"]["message"]
+    assert "context length of 32" in no_room and "20 tokens" in no_room and "13 tokens" in no_room
+    assert len(got["fits"]["tokens"]) == 12
+    assert len(got["default"]["tokens"]) == 12  # the default 128 is cut to the room left
+
+
+def test_values_of_the_wrong_type_are_refused_not_raised():
+    sched = make()
+    bad = msg("typed", [5, 6])
+    bad.sampling = msgspec.structs.replace(bad.sampling, temperature="hot")  # no decoder checked it
+    sched.add_request(bad)
+    sched.add_request(msg("good", [5, 6]))
+    got = run(sched)
+    assert got["typed"]["finish"]["status_code"] == 400
+    assert got["good"]["tokens"] == expected([5, 6])
+
+
+def test_a_request_whose_sampling_raises_ends_alone():
+    sched = make()
+    for rid in ("a", "bad", "c"):
+        sched.add_request(msg(rid, [5, 6, 7 + len(rid)], temperature=1.0, top_k=1, sampling_seed=1))
+    bad = sched.waiting[1]
+    # as if a check had missed it: NaN probabilities make the batched multinomial raise
+    bad.sampling = msgspec.structs.replace(bad.sampling, temperature=math.nan, top_k=-1)
+    got = run(sched)
+    assert got["a"]["tokens"] == expected([5, 6, 8]) and got["c"]["tokens"] == expected([5, 6, 8])
+    assert got["bad"]["tokens"] == []
+    assert got["bad"]["finish"]["type"] == "abort" and got["bad"]["finish"]["status_code"] == 500
+    assert "sampling" in got["bad"]["finish"]["message"]
+    assert sched.stats["request_failures"] == 1
+
+
+def test_a_row_without_finite_logits_ends_that_request_alone():
+    sched = make()
+    sched.add_request(msg("nan", [5, POISON], temperature=1.0))
+    sched.add_request(msg("greedy_nan", [7, POISON]))
+    sched.add_request(msg("good", [5, 6], temperature=1.0, top_k=1))
+    got = run(sched)
+    assert got["good"]["tokens"] == expected([5, 6])
+    for rid in ("nan", "greedy_nan"):
+        assert got[rid]["tokens"] == []
+        assert got[rid]["finish"]["status_code"] == 500
+        assert "no finite logit" in got[rid]["finish"]["message"]
+
+
+def test_penalties_that_raise_for_one_request_end_that_request_alone(monkeypatch):
+    sched = make()
+    real = sched.penalizer.apply
+
+    def apply(logits, reqs):
+        if any(r.rid == "bad" for r in reqs):
+            raise RuntimeError("boom")
+        real(logits, reqs)
+
+    monkeypatch.setattr(sched.penalizer, "apply", apply)
+    sched.add_request(msg("pen", [5, 6], presence_penalty=1.0))
+    sched.add_request(msg("bad", [8, 9]))
+    sched.add_request(msg("plain", [10, 11]))
+    got = run(sched)
+    assert got["pen"]["tokens"] == expected([5, 6]) and got["plain"]["tokens"] == expected([10, 11])
+    assert got["bad"]["finish"]["status_code"] == 500 and "boom" in got["bad"]["finish"]["message"]
+
+
+def test_output_logprobs_that_raise_for_one_request_end_that_request_alone(monkeypatch):
+    sched = make()
+    real = scheduler_module.output_rows
+
+    def output_rows(lp, sampled, top_ks, token_ids):
+        if 7 in top_ks:
+            raise IndexError("bad top_k")
+        return real(lp, sampled, top_ks, token_ids)
+
+    monkeypatch.setattr(scheduler_module, "output_rows", output_rows)
+    sched.add_request(msg("lp", [5, 6], LogprobReq(top_k=2)))
+    sched.add_request(msg("bad", [8, 9], LogprobReq(top_k=7)))
+    sched.add_request(msg("plain", [10, 11]))
+    got = run(sched)
+    assert got["lp"]["tokens"] == expected([5, 6]) and got["plain"]["tokens"] == expected([10, 11])
+    assert got["bad"]["finish"]["status_code"] == 500 and "logprobs" in got["bad"]["finish"]["message"]
+
+
+def test_a_rid_used_again_gets_its_own_sampling_parameters():
+    sched = make()
+    sched.add_request(msg("same", [5, 6]))
+    first = run(sched)["same"]["tokens"]
+    sched.add_request(msg("same", [5, 6], logit_bias={"40": 100.0}))
+    assert first == expected([5, 6]) and run(sched)["same"]["tokens"] == [40] * 4
+
+
+def long_and_short(max_queue_wait: float) -> tuple[Scheduler, list[str]]:
+    """A long request whose reserve leaves no room for a short one that arrives while it runs."""
+    sched = make(pool=64, context=64, new_token_ratio=1.0, max_queue_wait=max_queue_wait)
+    sched.add_request(msg("long", [3, 4, 5, 6], max_new_tokens=56, ignore_eos=True))
+    sched.step()
+    sched.add_request(msg("short", [20, 21, 22], max_new_tokens=2))
+    sched.waiting[0].arrival -= 1.0  # it has waited a second
+    done = []
+    while sched.has_work:
+        out = sched.step()
+        if out is not None:
+            done += [rid for rid, fin in zip(out.rids, out.finish_reasons, strict=True) if fin]
+    sched.check_integrity()
+    return sched, done
+
+
+def test_a_long_output_never_holds_the_queue_past_max_queue_wait():
+    _, done = long_and_short(max_queue_wait=0.5)
+    assert done == ["short", "long"]  # admitted once it waited max_queue_wait, beside the long one
+    _, done = long_and_short(max_queue_wait=3600.0)
+    assert done == ["long", "short"]  # the reserve alone keeps it waiting for the long one
+
+
+def test_batch_statistics_are_logged_like_sglang(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger=scheduler_module.__name__)
+    monkeypatch.setattr(scheduler_module, "PREFILL_LOG_INTERVAL_S", 3600.0)
+    sched = make(context=128)
+    sched.add_request(msg("a", [5, 6, 7], max_new_tokens=90, ignore_eos=True))
+    for i in range(10):  # a stream of arrivals logs one prefill line, not one per step
+        sched.add_request(msg(f"b{i}", [8, 9], max_new_tokens=2))
+        sched.step()
+    run(sched)
+    lines = [r.getMessage() for r in caplog.records if r.name == scheduler_module.__name__]
+    prefill = [line for line in lines if line.startswith("Prefill batch.")]
+    assert prefill == [
+        "Prefill batch. #new-seq: 2, #new-token: 5, #cached-token: 0, token usage: 0.02, "
+        "#running-req: 0, #queue-req: 0"
+    ]
+    decode = [line for line in lines if line.startswith("Decode batch.")]
+    assert len(decode) == 90 // scheduler_module.DECODE_LOG_INTERVAL
+    assert decode[0].startswith("Decode batch. #running-req: ")
+    assert "gen throughput (token/s): " in decode[0] and "#queue-req: 0" in decode[0]
+    monkeypatch.setattr(scheduler_module, "PREFILL_LOG_INTERVAL_S", 0.0)
+    sched.add_request(msg("c", [5, 6]))
+    run(sched)
+    last = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")][-1]
+    # b1..b9 and c, added up; each finds its first token in the cache
+    assert last.startswith("Prefill batch. #new-seq: 10, #new-token: 10, #cached-token: 10,")
