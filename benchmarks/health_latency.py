@@ -1,11 +1,11 @@
 """How fast `/health` answers while the gateway takes the largest requests it accepts.
 
-A thread polls `GET /health` back to back (its own connection) the whole time; meanwhile the main
-thread sends, one phase at a time: nothing (the baseline), a text prompt of `--text-mib` MiB, an
-`input_ids` prompt whose JSON fills the HTTP body limit, a text prompt just under the context that the
-gateway must really tokenize, and a bus-API payload over its limit. A streaming request runs through
-every phase and must finish normally (a blocked event loop used to fail it through the worker
-watchdog). Prints /health p50 / p99 / max per phase.
+A separate process polls `GET /health` back to back the whole time; meanwhile this one sends, one phase
+at a time: nothing (the baseline), a text prompt of `--text-mib` MiB, an `input_ids` prompt whose JSON
+fills the HTTP body limit, a text prompt just under the context that the gateway must really tokenize,
+and a bus-API payload over its limit. A streaming request runs through every phase and must finish
+normally (a blocked event loop used to fail it through the worker watchdog). Prints /health p50 / p99 /
+max per phase.
 
     sglbus bench health-latency --launch-server
     python -m benchmarks.health_latency --base-url http://127.0.0.1:30000 --nats-url nats://127.0.0.1:4222
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import sys
 import threading
@@ -42,26 +43,44 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     return p.parse_args(argv)
 
 
-class Poller(threading.Thread):
-    """GET /health back to back; `mark(name)` starts a new phase of the record."""
+def _poll(base: str, stop: Any, out: Any) -> None:
+    """(its own process, so the load generator's GIL cannot delay it) GET /health back to back until
+    `stop` is set; sends [(start time, latency ms, ok)] to `out`."""
+    samples = []
+    with httpx.Client(base_url=base, timeout=30) as http:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            ok = http.get("/health").status_code == 200
+            samples.append((t0, (time.perf_counter() - t0) * 1000, ok))
+            time.sleep(0.002)
+    out.send(samples)
+
+
+class Poller:
+    """The /health poller process; `mark(name)` starts a new phase of the record."""
 
     def __init__(self, base: str) -> None:
-        super().__init__(daemon=True)
-        self.base, self.phase, self.stop = base, "baseline", threading.Event()
+        ctx = multiprocessing.get_context("spawn")
+        self.stop, (self._recv, send) = ctx.Event(), ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_poll, args=(base, self.stop, send), daemon=True)
+        self.marks: list[tuple[float, str]] = [(0.0, "baseline")]
         self.samples: dict[str, list[float]] = {}
         self.failures = 0
 
-    def mark(self, phase: str) -> None:
-        self.phase = phase
+    def start(self) -> None:
+        self.proc.start()
 
-    def run(self) -> None:
-        with httpx.Client(base_url=self.base, timeout=30) as http:
-            while not self.stop.is_set():
-                t0 = time.perf_counter()
-                ok = http.get("/health").status_code == 200
-                self.samples.setdefault(self.phase, []).append((time.perf_counter() - t0) * 1000)
-                self.failures += not ok
-                time.sleep(0.002)
+    def mark(self, phase: str) -> None:
+        self.marks.append((time.perf_counter(), phase))  # perf_counter is system-wide on Linux
+
+    def finish(self) -> None:
+        self.stop.set()
+        samples = self._recv.recv()
+        self.proc.join()
+        for t0, ms, ok in samples:
+            phase = next(name for start, name in reversed(self.marks) if t0 >= start)
+            self.samples.setdefault(phase, []).append(ms)
+            self.failures += not ok
 
 
 def _text(mib: float) -> str:
@@ -129,8 +148,7 @@ def run(args: argparse.Namespace, base: str, nats_url: str | None, token: str | 
     poller.mark("after")
     stream.join()
     time.sleep(1.0)
-    poller.stop.set()
-    poller.join()
+    poller.finish()
     result: dict[str, Any] = {"health_failures": poller.failures, "stream_ok": stream_result["ok"],
                               "stream_last": stream_result.get("last"), "phases": {}}  # fmt: skip
     for name, ms in poller.samples.items():

@@ -8,13 +8,11 @@ the most recently admitted request (its KV goes to the cache unlocked, it rejoin
 from its cached prefix later).
 
 Failures stay with the request that caused them: what arrives is checked first (`check_request`: the
-bus is a trust boundary), and a batched penalty, sampling or logprob operation that raises is retried
-request by request, ending only the requests whose own row fails (abort, 500). Only an error that
-concerns the whole step (the forward) fails the step (`fail_running`).
+bus is a trust boundary), and logits -> tokens and logprobs (`SampleStep`, sample_step.py) ends only
+the requests whose own row fails (abort, 500). Only an error that concerns the whole step (the
+forward) fails the step (`fail_running`).
 
-Batch statistics go to this module's logger at INFO, in SGLang's words: a "Decode batch." line every
-`DECODE_LOG_INTERVAL` decode steps, a "Prefill batch." line when requests were admitted (at most one
-per `PREFILL_LOG_INTERVAL_S`, with the counts since the last one).
+Batch statistics go to this module's logger at INFO, in SGLang's words (`BatchLog`, batch_log.py).
 """
 
 from __future__ import annotations
@@ -22,21 +20,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from services.scheduler.batch_log import BatchLog
 from services.scheduler.forward_batch import ForwardBatch
-from services.scheduler.logprobs import input_rows, output_rows, pack
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.radix_cache import RadixCache
 from services.scheduler.request import Req, check_request
+from services.scheduler.sample_step import SampleStep
 from services.scheduler.sampling.penalties import Penalizer
-from services.scheduler.sampling.sampler import SamplingInfo
+from services.scheduler.step_output import StepOutput
 from shared.config import EngineConfig
-from shared.messages import BatchTokenOut, GenerateReq, NewReqInfo
+from shared.messages import BatchTokenOut, GenerateReq
 from shared.sampling_params import SamplingParams
 from shared.transport import Work
 
@@ -45,8 +44,6 @@ log = logging.getLogger(__name__)
 # after a retraction reserve this share of running requests' output budgets, decaying back per step
 _RETRACT_RATIO = 1.0
 _RATIO_DECAY = 0.002
-DECODE_LOG_INTERVAL = 40  # decode steps between two "Decode batch." lines (SGLang's default)
-PREFILL_LOG_INTERVAL_S = 1.0  # at most one "Prefill batch." line this often; the counts add up between
 
 
 class Scheduler:
@@ -61,13 +58,12 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.ratio = config.new_token_ratio
-        self._out = BatchTokenOut()
-        self._sampling: tuple[tuple[int, ...], SamplingInfo] | None = None
+        self.output = StepOutput()
         self.penalizer = Penalizer(self.req_to_token.table.shape[0], self.vocab_size, runner.device)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
-        self._failures = 0  # requests ended by a failure of their own in the current step
-        self._log = BatchLog()
+        self.sampling = SampleStep(runner, self.penalizer, self.stats)
+        self._log = BatchLog(log)
 
     # -- inputs -------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq, work: Work | None = None) -> None:
@@ -123,14 +119,14 @@ class Scheduler:
             self.waiting.remove(req)
             if finish is None:
                 req.finish = {"type": "abort", "message": "aborted"}
-                self._emit(req, [])
+                self.output.emit(req, [])
         for req in self.running:
             if req.rid in wanted and req.finish is None:
                 req.finish = finish or {"type": "abort", "message": "aborted"}
 
     def _finish_now(self, req: Req, message: str, status_code: int = 400) -> None:
         req.finish = {"type": "abort", "message": message, "status_code": status_code}
-        self._emit(req, [])
+        self.output.emit(req, [])
 
     # -- the loop -----------------------------------------------------------------------------
     @property
@@ -140,7 +136,7 @@ class Scheduler:
     def step(self) -> BatchTokenOut | None:
         """Run one step; returns this step's output for the detokenizer, or None if nothing happened."""
         t0 = time.perf_counter()
-        self._failures = 0
+        self.sampling.failures = 0
         self._release_finished()
         batch = self._schedule()
         if batch:
@@ -148,8 +144,8 @@ class Scheduler:
             t1 = time.perf_counter()
             logits = self.runner.forward(fb)
             if lp_reqs:
-                self._input_logprobs(fb, lp_reqs)
-            tokens = self._sample(logits, samplers) if samplers else []
+                self.sampling.input_logprobs(fb, lp_reqs)
+            tokens = self.sampling.sample(logits, samplers) if samplers else []
             self.stats["forward_s"] += time.perf_counter() - t1
             self._process(batch, samplers, tokens)
             self.stats["steps"] += 1
@@ -159,8 +155,7 @@ class Scheduler:
 
     def take_output(self) -> BatchTokenOut | None:
         """What was produced since the last call (steps, and requests rejected on arrival)."""
-        out, self._out = self._out, BatchTokenOut()
-        return out if out.rids else None
+        return self.output.take()
 
     def _schedule(self) -> list[Req]:
         # running requests first: decodes cost one slot each, chunked prefills take from the budget;
@@ -315,121 +310,6 @@ class Scheduler:
         )
         return fb, samplers, lp_reqs
 
-    def _input_logprobs(self, fb: ForwardBatch, lp_reqs: list[tuple[Req, int]]) -> None:
-        assert fb.lp_hidden is not None
-        row = 0
-        for r, m in lp_reqs:
-            a = r.lp_pos
-            targets = r.prompt[a + 1 : a + 1 + m]
-            hidden = fb.lp_hidden[row : row + m]
-            try:
-                r.lp_in += input_rows(hidden, self.runner.model.logits, targets, r.lp.top_k, r.lp.token_ids)
-                r.lp_pos += m
-            except Exception as e:
-                log.exception("prompt logprobs failed for request %s", r.rid)
-                self._fail_request(r, "prompt logprobs", e)
-            row += m
-        fb.lp_hidden = None
-
-    def _sample(self, logits: torch.Tensor, samplers: list[Req]) -> list[int | None]:
-        """A token per sampler; None for a request that failed alone in this step (it is ended). A
-        batched stage that raises is retried request by request (`_one_by_one`)."""
-        asked = [i for i, r in enumerate(samplers) if r.lp is not None]
-        # the raw distribution, before penalties touch the logits in place
-        raw = torch.log_softmax(logits[asked], dim=-1) if asked else None
-        pen = self.penalizer
-        try:
-            pen.apply(logits, samplers)
-        except Exception:  # apply writes nothing when it raises, so no row is penalised twice
-            self._one_by_one(
-                "penalties", samplers, lambda i: pen.apply(logits[i : i + 1], samplers[i : i + 1])
-            )
-        try:
-            drawn = self._draw(logits, samplers)
-        except Exception:
-            rows = self._one_by_one(
-                "sampling", samplers, lambda i: self._draw(logits[i : i + 1], samplers[i : i + 1])
-            )
-            none = torch.tensor([-1], device=logits.device)
-            drawn = torch.cat([none if t is None else t for t in rows])
-        tokens = drawn.tolist()
-        if min(tokens) < 0:  # the sampler found no usable logit in these rows (NaN or -inf everywhere)
-            for r, t in zip(samplers, tokens, strict=True):
-                if t < 0 and r.finish is None:
-                    self._fail_request(r, "sampling", ValueError("no finite logit in its row"))
-        alive, alive_drawn = samplers, drawn
-        if self._failures:
-            keep = [i for i, r in enumerate(samplers) if r.finish is None]
-            alive = [samplers[i] for i in keep]
-            alive_drawn = drawn[torch.tensor(keep, dtype=torch.int64, device=drawn.device)]
-        if alive:
-            try:
-                pen.on_sample(alive, alive_drawn)
-            except Exception:  # on_sample writes nothing when it raises
-                self._one_by_one(
-                    "penalties", alive, lambda j: pen.on_sample(alive[j : j + 1], alive_drawn[j : j + 1])
-                )
-        if raw is not None:
-            self._output_logprobs(
-                raw, [samplers[i] for i in asked], drawn[torch.tensor(asked, device=drawn.device)]
-            )
-        if self._failures:
-            return [t if r.finish is None else None for r, t in zip(samplers, tokens, strict=True)]
-        return tokens
-
-    def _draw(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        key = tuple(r.uid for r in reqs)
-        if self._sampling is None or self._sampling[0] != key:  # rebuilt only when the batch changes
-            info = SamplingInfo.build([r.sampling for r in reqs], self.vocab_size, logits.device)
-            self._sampling = (key, info)
-        return self.runner.sample(logits, self._sampling[1], [len(r.output) for r in reqs])
-
-    def _output_logprobs(self, raw: torch.Tensor, reqs: list[Req], sampled: torch.Tensor) -> None:
-        """raw [len(reqs), V]: the log-distribution each of `reqs` sampled from; ended requests skipped."""
-        if self._failures:
-            keep = [j for j, r in enumerate(reqs) if r.finish is None]
-            idx = torch.tensor(keep, dtype=torch.int64, device=raw.device)
-            reqs, raw, sampled = [reqs[j] for j in keep], raw[idx], sampled[idx]
-
-        def append(a: int, b: int) -> None:  # appends only once every row was computed
-            part = reqs[a:b]
-            out = output_rows(
-                raw[a:b], sampled[a:b], [r.lp.top_k for r in part], [r.lp.token_ids for r in part]
-            )
-            for r, row in zip(part, out, strict=True):
-                r.lp_out.append(row)
-
-        if reqs:
-            try:
-                append(0, len(reqs))
-            except Exception:
-                self._one_by_one("output logprobs", reqs, lambda j: append(j, j + 1))
-
-    def _one_by_one(self, what: str, reqs: list[Req], one: Callable[[int], Any]) -> list[Any]:
-        """After the batched `what` raised: run it for each request alone. A request whose own run
-        raises is ended (abort, 500) and gets None."""
-        log.exception("%s failed for a batch of %d requests; retrying them one by one", what, len(reqs))
-        out = []
-        for i, r in enumerate(reqs):
-            if r.finish is not None:
-                out.append(None)
-                continue
-            try:
-                out.append(one(i))
-            except Exception as e:
-                log.exception("%s failed for request %s", what, r.rid)
-                self._fail_request(r, what, e)
-                out.append(None)
-        return out
-
-    def _fail_request(self, req: Req, what: str, e: Exception) -> None:
-        """End a request of this step alone; `_release_finished` reports it and frees its KV."""
-        message = f"internal error in {what} for this request: {type(e).__name__}: {e}"
-        req.finish = {"type": "abort", "message": message, "status_code": 500}
-        req.lp_in, req.lp_out = [], []
-        self._failures += 1
-        self.stats["request_failures"] += 1
-
     def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int | None]) -> None:
         prefilled = [r for r in batch if r.extend_len > 1]
         for r in batch:
@@ -441,13 +321,13 @@ class Scheduler:
                 continue
             r.output.append(tok)
             r.check_finished(tok, self.context_len)
-            self._emit(r, [tok])
+            self.output.emit(r, [tok])
             generated += 1
         self.stats["generated_tokens"] += generated
         for r in batch:
             if r.finish is None and r.remaining == 0 and r.remaining_output <= 0:  # max_new_tokens == 0
                 r.finish = {"type": "length", "length": len(r.output)}
-                self._emit(r, [])
+                self.output.emit(r, [])
         for r in prefilled:
             if r.finish is None:
                 self._cache(r, finished=False)  # share the prefix with requests that arrive meanwhile
@@ -458,7 +338,7 @@ class Scheduler:
         if any(r.finish for r in self.running):
             for r in [r for r in self.running if r.finish]:
                 if r.finish.get("type") == "abort":
-                    self._emit(r, [])
+                    self.output.emit(r, [])
                 self._cache(r, finished=True)
                 self.running.remove(r)
 
@@ -487,38 +367,6 @@ class Scheduler:
             req.row, req.last_node = None, None
 
     # -- output -------------------------------------------------------------------------------
-    def _emit(self, req: Req, tokens: list[int]) -> None:
-        out = self._out
-        if not req.announced:
-            s = req.sampling
-            out.new_reqs.append(
-                NewReqInfo(
-                    rid=req.rid,
-                    out_subject=req.out_subject,
-                    prompt_tokens=len(req.prompt),
-                    stop=s.stop,
-                    skip_special_tokens=s.skip_special_tokens,
-                    spaces_between_special_tokens=s.spaces_between_special_tokens,
-                    no_stop_trim=s.no_stop_trim,
-                    created=req.created,
-                    attempt=req.attempt,
-                    work_token=req.work_token,
-                )  # fmt: skip
-            )
-            req.announced = True
-        out.rids.append(req.rid)
-        out.token_ids.append(tokens)
-        out.cached_tokens.append(req.cached_tokens or 0)
-        out.offsets.append(len(req.output) - len(tokens))
-        out.finish_reasons.append(req.finish)
-        if req.lp is not None or out.logprobs:
-            out.logprobs += [None] * (len(out.rids) - 1 - len(out.logprobs))
-            lp = None
-            if req.lp is not None:
-                lp = pack(req.lp_in, req.lp_out)
-                req.lp_in, req.lp_out = [], []
-            out.logprobs.append(lp)
-
     def fail_running(self, message: str) -> BatchTokenOut | None:
         """After a step raised: abort every running request with a reason and give back its KV, so
         the server keeps serving. Slots taken for the failed step were never counted; free them."""
@@ -559,49 +407,3 @@ class Scheduler:
             slots = torch.cat((self.kv.free_slots(), self.tree.all_slots()))
             if slots.unique().numel() != self.kv.size:
                 raise AssertionError("KV slots duplicated between the free list and the cache")
-
-
-class BatchLog:
-    """SGLang's batch statistics lines, on the scheduler's logger; counting costs a few additions."""
-
-    def __init__(self) -> None:
-        self.new_seqs = self.new_tokens = self.cached_tokens = 0
-        self.last_prefill = -math.inf
-        self.decode_steps = self.decode_tokens = 0
-        self.last_decode = time.perf_counter()
-
-    def admitted(self, new_tokens: int, cached: int) -> None:
-        self.new_seqs += 1
-        self.new_tokens += new_tokens
-        self.cached_tokens += cached
-
-    def prefill(self, sched: Scheduler, just_admitted: int) -> None:
-        now = time.monotonic()
-        if now - self.last_prefill < PREFILL_LOG_INTERVAL_S:
-            return
-        if log.isEnabledFor(logging.INFO):
-            log.info(
-                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                "#running-req: %d, #queue-req: %d",
-                self.new_seqs, self.new_tokens, self.cached_tokens, sched.used_tokens() / sched.kv.size,
-                len(sched.running) - just_admitted, len(sched.waiting),
-            )  # fmt: skip
-        self.new_seqs = self.new_tokens = self.cached_tokens = 0
-        self.last_prefill = now
-
-    def decode_step(self, sched: Scheduler, generated: int) -> None:
-        self.decode_steps += 1
-        self.decode_tokens += generated
-        if self.decode_steps % DECODE_LOG_INTERVAL:
-            return
-        now = time.perf_counter()
-        if log.isEnabledFor(logging.INFO):
-            used = sched.used_tokens()
-            log.info(
-                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                "gen throughput (token/s): %.2f, #queue-req: %d",
-                len(sched.running), used, used / sched.kv.size,
-                self.decode_tokens / max(now - self.last_decode, 1e-9), len(sched.waiting),
-            )  # fmt: skip
-        self.decode_tokens = 0
-        self.last_decode = now

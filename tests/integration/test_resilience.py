@@ -296,3 +296,24 @@ def test_nats_killed_every_json_request_completes(nats_restarts):
     check_all_complete(s, bodies, results)
     s.wait_idle(timeout=30)
     s.integrity()
+
+
+def test_gateway_killed_its_requests_stop_in_the_scheduler(worker_deaths):
+    """kill -9 of the gateway: its clients are gone with it, so the scheduler stops their requests once
+    the gateway's heartbeat stopped (instead of generating, and being redelivered, for nobody) and
+    gives back their KV; a new gateway serves again."""
+    s = worker_deaths
+    wait_until(lambda: s.http.get("/health").status_code == 200, 60, "/health 200")
+    before = s.info()["stats"]["generated_tokens"]
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(post_json, s.url, {"text": PROMPT, "sampling_params": LONG, "rid": "orphan"})
+        wait_until(lambda: s.info()["num_running_reqs"] == 1, 30, "the request running", poll=0.05)
+        s.kill("gateway")
+        s.start("gateway")
+        s.wait_healthy()
+        stopped = lambda: s.info()["num_running_reqs"] == 0 and s.info()["num_queue_reqs"] == 0
+        wait_until(stopped, 40, "the scheduler dropping the dead gateway's request")
+    info = s.integrity()
+    assert info["stats"]["generated_tokens"] - before < 1500, "the orphan ran to its end"
+    out = generate(s.http, {"text": PROMPT, "sampling_params": greedy(4, ignore_eos=True)})
+    assert out["meta_info"]["completion_tokens"] == 4

@@ -204,8 +204,9 @@ def killed_and_restored(served: Served, name: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_killed_scheduler_is_restarted(served: Served) -> None:
-    killed_and_restored(served, "scheduler")
+@pytest.mark.parametrize("name", ["scheduler", "detokenizer", "gateway"])
+def test_a_killed_service_is_restarted(served: Served, name: str) -> None:
+    killed_and_restored(served, name)
     assert served.proc.poll() is None
 
 

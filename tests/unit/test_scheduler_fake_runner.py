@@ -11,6 +11,8 @@ import msgspec
 import pytest
 import torch
 
+import services.scheduler.batch_log as batch_log
+import services.scheduler.sample_step as sample_step
 import services.scheduler.scheduler as scheduler_module
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.sampling.sampler import sample
@@ -184,14 +186,14 @@ def test_penalties_that_raise_for_one_request_end_that_request_alone(monkeypatch
 
 def test_output_logprobs_that_raise_for_one_request_end_that_request_alone(monkeypatch):
     sched = make()
-    real = scheduler_module.output_rows
+    real = sample_step.output_rows
 
     def output_rows(lp, sampled, top_ks, token_ids):
         if 7 in top_ks:
             raise IndexError("bad top_k")
         return real(lp, sampled, top_ks, token_ids)
 
-    monkeypatch.setattr(scheduler_module, "output_rows", output_rows)
+    monkeypatch.setattr(sample_step, "output_rows", output_rows)
     sched.add_request(msg("lp", [5, 6], LogprobReq(top_k=2)))
     sched.add_request(msg("bad", [8, 9], LogprobReq(top_k=7)))
     sched.add_request(msg("plain", [10, 11]))
@@ -233,7 +235,7 @@ def test_a_long_output_never_holds_the_queue_past_max_queue_wait():
 
 def test_batch_statistics_are_logged_like_sglang(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger=scheduler_module.__name__)
-    monkeypatch.setattr(scheduler_module, "PREFILL_LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(batch_log, "PREFILL_LOG_INTERVAL_S", 3600.0)
     sched = make(context=128)
     sched.add_request(msg("a", [5, 6, 7], max_new_tokens=90, ignore_eos=True))
     for i in range(10):  # a stream of arrivals logs one prefill line, not one per step
@@ -247,10 +249,10 @@ def test_batch_statistics_are_logged_like_sglang(monkeypatch, caplog):
         "#running-req: 0, #queue-req: 0"
     ]
     decode = [line for line in lines if line.startswith("Decode batch.")]
-    assert len(decode) == 90 // scheduler_module.DECODE_LOG_INTERVAL
+    assert len(decode) == 90 // batch_log.DECODE_LOG_INTERVAL
     assert decode[0].startswith("Decode batch. #running-req: ")
     assert "gen throughput (token/s): " in decode[0] and "#queue-req: 0" in decode[0]
-    monkeypatch.setattr(scheduler_module, "PREFILL_LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(batch_log, "PREFILL_LOG_INTERVAL_S", 0.0)
     sched.add_request(msg("c", [5, 6]))
     run(sched)
     last = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")][-1]
