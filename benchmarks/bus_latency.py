@@ -30,7 +30,7 @@ import httpx
 import nats
 import orjson
 
-from benchmarks.launch import LaunchedServer, append_result, machine_info, percentile
+from benchmarks.launch import append_result, machine_info, percentile, target
 from benchmarks.workloads import FIRST_SAFE_ID
 
 Send = Callable[[list[int]], Awaitable[None]]
@@ -181,18 +181,12 @@ def print_block(args: argparse.Namespace, r: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     machine = machine_info()
-    if args.launch_server:
-        with LaunchedServer(args.server_args, args.host) as server:
-            # no embedded NATS line: --server-args named the NATS server (--nats-url), pass it here too
-            nats_url = server.nats_url or args.nats_url
-            if nats_url is None:
-                raise SystemExit("the launched server printed no NATS URL; pass --nats-url")
-            result = asyncio.run(measure(args, server.url, nats_url, server.nats_token))
-    else:
-        if not args.nats_url:
-            raise SystemExit("--nats-url (or SGLBUS_NATS_URL) is needed: the bus API is reached over NATS")
-        base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-        result = asyncio.run(measure(args, base, args.nats_url, os.environ.get("SGLBUS_NATS_TOKEN")))
+    with target(args) as server:
+        if server.nats_url is None:
+            raise SystemExit(
+                "no NATS URL: pass --nats-url (or SGLBUS_NATS_URL); the bus API is reached over NATS"
+            )
+        result = asyncio.run(measure(args, *server))
     print_block(args, result)
     if args.output_file:
         append_result(args.output_file, vars(args), machine, result)

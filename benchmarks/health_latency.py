@@ -26,7 +26,7 @@ import httpx
 import nats
 import orjson
 
-from benchmarks.launch import LaunchedServer, append_result, machine_info, percentile
+from benchmarks.launch import append_result, machine_info, percentile, target
 
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
@@ -172,12 +172,8 @@ def print_block(r: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     machine = machine_info()
-    if args.launch_server:
-        with LaunchedServer(args.server_args, args.host) as server:
-            result = run(args, server.url, server.nats_url or args.nats_url, server.nats_token)
-    else:
-        base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-        result = run(args, base, args.nats_url, os.environ.get("SGLBUS_NATS_TOKEN"))
+    with target(args) as server:
+        result = run(args, *server)
     print_block(result)
     if args.output_file:
         append_result(args.output_file, vars(args), machine, result)

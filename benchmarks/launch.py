@@ -3,6 +3,7 @@ the machine, append a JSONL result row, and percentiles."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -14,8 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 _STARTUP_TIMEOUT_S = 600.0  # a first start converts the GGUF and loads the model
 _SERVING = re.compile(r"sglbus is serving at (\S+)")
@@ -92,6 +94,27 @@ class LaunchedServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Target(NamedTuple):
+    """The server a benchmark measures: its HTTP base URL, its NATS URL and token (None if unknown)."""
+
+    base: str
+    nats_url: str | None
+    nats_token: str | None
+
+
+@contextlib.contextmanager
+def target(args: Any) -> Iterator[Target]:
+    """`sglbus serve` launched for the run (`--launch-server`, `--server-args`), or the server named by
+    `--base-url` / `--host` `--port`, with `--nats-url` (and SGLBUS_NATS_TOKEN) for its bus."""
+    nats_url = getattr(args, "nats_url", None)
+    if args.launch_server:
+        with LaunchedServer(args.server_args, args.host) as server:
+            yield Target(server.url, server.nats_url or nats_url, server.nats_token)
+    else:
+        base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+        yield Target(base, nats_url, os.environ.get("SGLBUS_NATS_TOKEN"))
 
 
 def machine_info() -> dict[str, Any]:

@@ -31,7 +31,7 @@ import numpy as np
 import orjson
 from tqdm import tqdm
 
-from benchmarks.launch import LaunchedServer, append_result, machine_info, percentile
+from benchmarks.launch import append_result, machine_info, percentile, target
 from benchmarks.workloads import Workload, random_workload, shared_prefix_workload
 
 # GenerateReqInput fields: an --extra-request-body key with one of these names goes to the top level of
@@ -306,11 +306,8 @@ def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     machine = machine_info()
-    if args.launch_server:
-        with LaunchedServer(args.server_args, args.host) as server:
-            result = run(args, server.url)
-    else:
-        result = run(args, (args.base_url or f"http://{args.host}:{args.port}").rstrip("/"))
+    with target(args) as server:
+        result = run(args, server.base)
     if args.output_file:
         append_result(
             args.output_file, {**vars(args), "request_rate": str(args.request_rate)}, machine, result
