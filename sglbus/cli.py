@@ -1,6 +1,6 @@
 """The `sglbus` command: `sglbus serve [args]`, `sglbus bench LEAF [args]`.
 
-Bench leaves: offline, serving, bus-latency, health-latency, logprob-b64.
+Bench leaves: offline, serving, bus-latency, health-latency, large-batches, logprob-b64.
 
 Each leaf subcommand owns its argument parser (so it also runs as `python -m <module>`); this file only
 routes to it. A leaf is declared without its own options and with add_help=False, so every argument
@@ -48,6 +48,12 @@ def _bench_health_latency(argv: list[str], prog: str) -> int:
     return main(argv, prog)
 
 
+def _bench_large_batches(argv: list[str], prog: str) -> int:
+    from benchmarks.large_batches import main
+
+    return main(argv, prog)
+
+
 def _serve(argv: list[str], prog: str) -> int:
     from sglbus.serve import main
 
@@ -74,6 +80,10 @@ _LEAVES: dict[tuple[str, str], tuple[str, Leaf]] = {
     ("bench", "health-latency"): (
         "how fast /health answers while the gateway takes the largest requests it accepts",
         _bench_health_latency,
+    ),
+    ("bench", "large-batches"): (
+        "large batches on a busy machine: does any request fail wrongly?",
+        _bench_large_batches,
     ),
     ("bench", "logprob-b64"): (
         "flat prompt top-logprob arrays: JSON lists vs base64, server and client cost",

@@ -125,7 +125,7 @@ class NatsTransport(Transport):
         return self.nc.max_payload
 
     @property
-    def is_connected(self) -> bool:
+    def is_connected(self) -> bool:  # type: ignore[override]
         return self.nc.is_connected
 
     @classmethod

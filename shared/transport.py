@@ -93,6 +93,11 @@ class Transport(ABC):
     # the largest message the bus carries (NATS: the server's max_payload); senders split or refuse
     max_payload: int = 1 << 62
 
+    @property
+    def is_connected(self) -> bool:
+        """Whether this process reaches the bus right now (NATS: not while reconnecting)."""
+        return True
+
     @abstractmethod
     async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None: ...
 

@@ -117,15 +117,11 @@ def build_app(gw: Gateway) -> Starlette:
         return json_response(result)
 
     async def health(request: Request) -> Response:
-        return (
-            Response(status_code=200)
-            if gw.ready
-            else error("the server is starting or has no live worker", 503)
-        )
+        return Response(status_code=200) if gw.ready else error(gw.why_down(), 503)
 
     async def health_generate(request: Request) -> Response:
         if not gw.ready:
-            return error("the server is starting or has no live worker", 503)
+            return error(gw.why_down(), 503)
         probe = parse_generate_input(
             {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
         )

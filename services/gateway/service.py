@@ -100,6 +100,21 @@ class Gateway:
         live = {(svc, w) for (svc, w), t in self._seen.items() if now - t < self.cfg.worker_timeout}
         return any(("detokenizer", w) in live for svc, w in live if svc == "scheduler")
 
+    def why_down(self) -> str:
+        """What /health and failed requests say when no pipeline is alive: the bus itself, or the
+        workers whose heartbeats stopped."""
+        if not self.transport.is_connected:
+            return "the NATS bus is unreachable (the gateway is reconnecting to it)"
+        if self.scheduler_info is None:
+            return "the server is starting: no scheduler has answered yet"
+        now = time.monotonic()
+        dead = sorted(
+            f"{svc} {w}" for (svc, w), t in self._seen.items() if now - t >= self.cfg.worker_timeout
+        )
+        if not dead:
+            return "no live worker: no scheduler with a live detokenizer has sent a heartbeat"
+        return f"no live worker: {', '.join(dead)} stopped answering for {self.cfg.worker_timeout:.0f} s"
+
     async def _on_heartbeat(self, m: Message) -> None:
         try:
             beat = orjson.loads(m.data)
@@ -150,9 +165,7 @@ class Gateway:
             self._dead_since = self._dead_since or now
             if not self.requests.in_flight:
                 continue
-            dead = sorted(f"{svc} {w}" for (svc, w), t in self._seen.items()
-                          if now - t >= self.cfg.worker_timeout)  # fmt: skip
-            msg = f"no live worker: {', '.join(dead)} stopped answering for {self.cfg.worker_timeout:.0f} s"
+            msg = self.why_down()
             if now - self._dead_since > self.cfg.recovery_timeout:
                 rids, msg = self.requests.active_rids(), f"{msg}, and did not come back in time"
             else:

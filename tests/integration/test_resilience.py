@@ -191,6 +191,22 @@ async def wait_for_bus_api(url: str, token: str | None = None, timeout: float = 
         await nc.close()
 
 
+def test_nats_down_is_named_as_the_fault(nats_restarts):
+    """While NATS is down the gateway says so (not that its workers died), and recovers by itself."""
+    s = nats_restarts
+    wait_until(lambda: s.http.get("/health").status_code == 200, 60, "/health 200")
+    s.nats.proc.kill()
+    s.nats.proc.wait()
+    s.nats.proc = None
+    try:
+        down = lambda: (r := s.http.get("/health")).status_code == 503 and r
+        r = wait_until(down, NATS_TESTS_WORKER_TIMEOUT_S + 10, "/health 503 while NATS is down")
+        assert "NATS" in r.json()["error"]["message"], r.text
+    finally:
+        s.nats.start()
+    wait_until(lambda: s.http.get("/health").status_code == 200, 30, "/health 200 after NATS is back")
+
+
 # -- a worker or NATS is killed -------------------------------------------------------------------------
 def read_stream(url: str, body: dict[str, Any], started: threading.Event) -> tuple[list[str], float]:
     """A streaming request: its data payloads, and when the stream ended."""
