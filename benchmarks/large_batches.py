@@ -41,7 +41,7 @@ async def one_round(http: httpx.AsyncClient, args: argparse.Namespace, r: int) -
     jobs = [http.post("/generate", json={"text": [f"Round {r} item {i}: hi" for i in range(args.batch)],
                                          "sampling_params": greedy})]  # fmt: skip
     for i in range(args.long):
-        words = (400, 1500)[i % 2]  # ~1.6k and ~6.4k tokens with the default tokenizer
+        words = (250, 1000)[i % 2]  # ~1.6k and ~6.3k tokens with the default tokenizer
         body: dict[str, Any] = {
             "text": " ".join(f"r{r}w{j}" for j in range(words)),
             "sampling_params": greedy,
