@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import time
@@ -30,7 +29,7 @@ import httpx
 import nats
 import orjson
 
-from benchmarks.launch import append_result, machine_info, percentile, target
+from benchmarks.launch import add_target_args, append_result, machine_info, percentile, target
 from benchmarks.workloads import FIRST_SAFE_ID
 
 Send = Callable[[list[int]], Awaitable[None]]
@@ -38,13 +37,8 @@ Send = Callable[[list[int]], Awaitable[None]]
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL"), help="the server's NATS")
+    add_target_args(p, nats=True)
     p.add_argument("--subject-prefix", default=None, help="default: the server's (get_server_info)")
-    p.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
-    p.add_argument("--server-args", default="", help="passed to `sglbus serve` with --launch-server")
     p.add_argument("--num-requests", type=int, default=200, help="per path")
     p.add_argument("--warmup", type=int, default=10, help="untimed requests per path first")
     p.add_argument("--prompt-len", type=int, default=8)

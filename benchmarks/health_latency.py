@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
 import sys
 import threading
 import time
@@ -26,17 +25,12 @@ import httpx
 import nats
 import orjson
 
-from benchmarks.launch import append_result, machine_info, percentile, target
+from benchmarks.launch import add_target_args, append_result, machine_info, percentile, target
 
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL"), help="the server's NATS")
-    p.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
-    p.add_argument("--server-args", default="", help="passed to `sglbus serve` with --launch-server")
+    add_target_args(p, nats=True)
     p.add_argument("--text-mib", type=float, default=8.0, help="size of the long text prompt")
     p.add_argument("--repeat", type=int, default=3, help="requests per phase")
     p.add_argument("--output-file", default=None, help="append one JSONL row")

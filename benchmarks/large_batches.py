@@ -18,16 +18,12 @@ from typing import Any
 
 import httpx
 
-from benchmarks.launch import append_result, machine_info, target
+from benchmarks.launch import add_target_args, append_result, machine_info, target
 
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
-    p.add_argument("--server-args", default="", help="passed to `sglbus serve` with --launch-server")
+    add_target_args(p)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--batch", type=int, default=2000, help="short prompts per batch request")
     p.add_argument("--long", type=int, default=2, help="long single-token prompts per round")

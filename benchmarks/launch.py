@@ -96,6 +96,17 @@ class LaunchedServer:
             self.proc.wait()
 
 
+def add_target_args(p: Any, nats: bool = False) -> None:
+    """The options `target()` reads: a server to launch, or the address of a running one."""
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:30000 (wins over host/port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
+    p.add_argument("--server-args", default="", help='with --launch-server, e.g. "--max-running-requests 32"')
+    if nats:
+        p.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL"), help="the server's NATS")
+
+
 class Target(NamedTuple):
     """The server a benchmark measures: its HTTP base URL, its NATS URL and token (None if unknown)."""
 

@@ -31,7 +31,7 @@ import numpy as np
 import orjson
 from tqdm import tqdm
 
-from benchmarks.launch import append_result, machine_info, percentile, target
+from benchmarks.launch import add_target_args, append_result, machine_info, percentile, target
 from benchmarks.workloads import Workload, random_workload, shared_prefix_workload
 
 # GenerateReqInput fields: an --extra-request-body key with one of these names goes to the top level of
@@ -56,11 +56,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     s = p.add_argument_group("server")
     s.add_argument("--backend", default="sglang", choices=("sglang", "sglbus"), help="both: POST /generate")
-    s.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:30000 (wins over host/port)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
-    s.add_argument("--server-args", default="", help='with --launch-server, e.g. "--max-running-requests 32"')
+    add_target_args(s)
     s.add_argument("--tokenizer", default=None, help="folder, for retokenized counts (default: the server's)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset-name", choices=("random", "generated-shared-prefix"), default="random")
