@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
+from services.gateway.generate_input import parse_body
 from services.gateway.request_manager import RequestManager
 from shared.transport import BusUnavailable, Message, Transport
 
@@ -45,11 +45,7 @@ class BusApi:
             return
         stream = False  # [DONE] ends even a rejection of a stream
         try:
-            loop = asyncio.get_running_loop()
-            if len(data) < _OFF_LOOP_BYTES:
-                stream, parsed = _parse(data)
-            else:  # parsing a large body takes a while: not on the event loop
-                stream, parsed = await loop.run_in_executor(None, _parse, data)
+            stream, parsed = await parse_body(data)
             if isinstance(parsed, ValueError):
                 raise parsed
             req = parsed
@@ -88,17 +84,3 @@ class BusApi:
     async def stop(self) -> None:
         for t in list(self._tasks):
             t.cancel()
-
-
-def _parse(body: bytes) -> tuple[bool, GenerateInput | ValueError]:
-    """Whether the caller asked for a stream (its rejection then ends with [DONE] too), and the
-    parsed request or why it is invalid."""
-    obj = decode_json(body)
-    stream = isinstance(obj, dict) and obj.get("stream") is True
-    try:
-        return stream, parse_generate_input(obj)
-    except ValueError as e:
-        return stream, e
-
-
-_OFF_LOOP_BYTES = 1 << 20

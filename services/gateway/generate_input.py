@@ -4,6 +4,7 @@ message naming the field and what is allowed (the HTTP layer turns it into a 400
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,27 @@ def decode_json(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise ValueError(f"invalid JSON: {e}") from None
+
+
+async def parse_body(body: bytes) -> tuple[bool, GenerateInput | ValueError]:
+    """A request body: whether it asked for a stream (a rejected stream is still ended as one), and
+    the parsed request or why it is invalid. A large body is parsed on a thread: the event loop keeps
+    serving meanwhile."""
+    if len(body) < _OFF_LOOP_BYTES:
+        return _parse_body(body)
+    return await asyncio.to_thread(_parse_body, body)
+
+
+def _parse_body(body: bytes) -> tuple[bool, GenerateInput | ValueError]:
+    obj = decode_json(body)
+    stream = isinstance(obj, dict) and obj.get("stream") is True
+    try:
+        return stream, parse_generate_input(obj)
+    except ValueError as e:
+        return stream, e
+
+
+_OFF_LOOP_BYTES = 1 << 20
 
 
 def parse_generate_input(obj: Any) -> GenerateInput:

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sglbus
-from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
+from services.gateway.generate_input import GenerateInput, decode_json, parse_body, parse_generate_input
 from services.gateway.service import Gateway
 from shared.transport import BusUnavailable
 
@@ -79,14 +79,11 @@ async def read_json(request: Request, limit: int, parse: bool = True) -> Any:
 
 
 async def read_request(request: Request, limit: int) -> GenerateInput:
-    """The body as a GenerateInput; parsing a large one runs on a thread (the event loop keeps serving)."""
-    body = await read_json(request, limit, parse=False)
-    if len(body) < _OFF_LOOP_BYTES:
-        return parse_generate_input(decode_json(body))
-    return await asyncio.to_thread(lambda: parse_generate_input(decode_json(body)))
-
-
-_OFF_LOOP_BYTES = 1 << 20
+    """The body as a GenerateInput (ValueError when it is not a valid one)."""
+    _, parsed = await parse_body(await read_json(request, limit, parse=False))
+    if isinstance(parsed, ValueError):
+        raise parsed
+    return parsed
 
 
 def build_app(gw: Gateway) -> Starlette:

@@ -156,7 +156,7 @@ class RequestManager:
         if todo:
             names = ", ".join(todo)
             raise ValueError(f"sampling parameter(s) {names} cannot be honoured yet; leave them unset")
-        if self.context_len is not None:  # the prompt, and prompt + an explicit max_new_tokens
+        if p.input_ids is None and self.context_len is not None:  # the prompt, and + max_new_tokens
             p.sampling.verify_length(len(ids), self.context_len)
         if p.logprob is not None:
             self._check_logprobs(p.logprob, len(ids))
@@ -284,8 +284,10 @@ class RequestManager:
         return out
 
     def _tokenize(self, p: Prompt) -> list[int]:
+        """The prompt's ids; given ids are checked against the context (before a scan of every id)
+        and the vocabulary here, a text's against the context in `_validate`."""
         if p.input_ids is not None:
-            if self.context_len is not None:  # before a scan of every id
+            if self.context_len is not None:
                 p.sampling.verify_length(len(p.input_ids), self.context_len)
             bad = [t for t in p.input_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -303,10 +305,8 @@ class RequestManager:
     def _refuse_far_too_long(self, text: str) -> None:
         """A text whose token count cannot fit the context is refused before tokenizing it (megabytes
         take seconds): no token covers more than `_max_token_chars` characters of it."""
-        if self.context_len is None or len(text) <= _OFF_LOOP_LEN:
-            return
         per_token = self._max_token_chars()
-        if per_token is None:
+        if per_token is None or self.context_len is None:
             return
         at_least = len(text) // per_token
         if at_least >= self.context_len:
