@@ -19,7 +19,7 @@ T = TypeVar("T")
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
@@ -50,8 +50,12 @@ class EngineConfig:
     mem_fraction_static: float | None = option(
         None, "share of device memory (GPU: total; CPU: available RAM) for weights + KV pool, in (0, 1)"
     )
-    max_running_requests: int | None = option(None, "requests decoded at once; unset: 256 on GPU, 64 on CPU")
-    chunked_prefill_size: int = option(2048, "prefill tokens per step; longer prompts are split into chunks")
+    max_running_requests: int | None = option(
+        None, "requests decoded at once; unset: sized from the KV pool on GPU (at most 4096), 64 on CPU"
+    )
+    chunked_prefill_size: int | None = option(
+        None, "prefill tokens per step, longer prompts are split into chunks; unset: 8192 on GPU, 2048 on CPU"
+    )
     schedule_policy: str = option("lpm", "order in which waiting requests are admitted", POLICIES)
     disable_radix_cache: bool = option(False, "turn the prefix cache off (for comparison)")
     new_token_ratio: float = option(
@@ -60,7 +64,11 @@ class EngineConfig:
     max_queue_wait: float = option(
         30.0, "seconds; a waiting request older than this is admitted first whatever the policy"
     )
-    attention_backend: str = option("torch", "attention implementation", ATTENTION_BACKENDS)
+    attention_backend: str = option(
+        "auto", "attention implementation; auto: triton on GPU, torch on CPU", ATTENTION_BACKENDS
+    )
+    cuda_graph_max_bs: int = option(512, "largest decode batch replayed from a CUDA graph (GPU only)")
+    disable_cuda_graph: bool = option(False, "run every decode step eagerly (GPU only; for comparison)")
     random_seed: int = option(0, "sampling seed")
     subject_prefix: str = option("sglbus", "NATS subject prefix (one per model deployment)")
     worker_id: str = option("0", "this scheduler's id; its detokenizer must have the same")
@@ -74,7 +82,8 @@ class EngineConfig:
                 raise ValueError(msg)
 
         check_choices(self)
-        need(self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1")
+        need(self.chunked_prefill_size is None or self.chunked_prefill_size >= 1, "chunked_prefill_size >= 1")
+        need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
         need(self.max_total_tokens is None or self.max_total_tokens >= 2, "max_total_tokens must be >= 2")
         need(
             self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,

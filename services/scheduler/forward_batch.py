@@ -1,38 +1,115 @@
-"""What one model forward needs: flat token arrays for a mixed batch of extends and decodes.
+"""What one model forward reads: device tensors for a mixed batch of extends and decodes, built once
+per step (`ForwardBatch.build`) with one host-to-device copy. Nothing writes to it after that: the
+attention backend keeps its own per-step metadata, and the model returns what it computes.
 
 A decode is an extend of length 1, so one layout covers both. Request i contributes
-`extend_lens[i]` new tokens at positions prefix_lens[i] .. seq_lens[i]-1; their KV goes to the slots
-`out_cache_loc` and their attention reads slots req_to_token[rows[i], :seq_lens[i]].
+`extend_lens[i]` new tokens at positions prefix_lens[i] .. seq_lens[i]-1, stored back to back from
+`extend_start_loc[i]` in the flat token arrays; their KV goes to the slots `out_cache_loc` and their
+attention reads slots req_to_token[req_pool_indices[i], :seq_lens[i]].
+
+    mode DECODE   every request adds exactly one token (T == B): decode kernels, CUDA graphs
+    mode EXTEND   anything else (prefills, chunked prefills, decodes mixed in)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import enum
+from dataclasses import dataclass
 
 import torch
 
 
-@dataclass
+class ForwardMode(enum.Enum):
+    DECODE = "decode"
+    EXTEND = "extend"
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
+    mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64, tokens of all requests back to back
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64, KV slot of each new token
-    rows: torch.Tensor  # [B] int64, req_to_token rows
-    prefix_lens: list[int]  # per request: tokens already in the KV pool before this step
-    extend_lens: list[int]  # per request: tokens computed this step
-    # indices into the T tokens whose hidden state becomes logits (last token of requests that sample)
-    logits_idx: torch.Tensor
-    # indices into the T tokens whose final hidden state is kept for prompt logprobs (None: none)
-    lp_idx: torch.Tensor | None = None
-    lp_hidden: torch.Tensor | None = None  # [len(lp_idx), H], set by the model
-    # filled by the attention backend's `prepare`, reused by every layer
-    attn: Any = field(default=None)
+    req_pool_indices: torch.Tensor  # [B] int64, req_to_token rows
+    seq_lens: torch.Tensor  # [B] int64, prefix + extend
+    prefix_lens: torch.Tensor  # [B] int64, tokens already in the KV pool before this step
+    extend_lens: torch.Tensor  # [B] int64, tokens computed this step
+    extend_start_loc: torch.Tensor  # [B] int64, first token of each request in the flat arrays
+    # tokens whose hidden state becomes logits (last token of requests that sample); None: every token
+    logits_idx: torch.Tensor | None
+    # tokens whose final hidden state is returned for prompt logprobs (None: none)
+    lp_idx: torch.Tensor | None
+    # host copies (CPU tensors, no device sync to read) for backends that plan on the host
+    seq_lens_cpu: torch.Tensor
+    extend_lens_cpu: torch.Tensor
+    max_extend_len: int
 
     @property
     def batch_size(self) -> int:
-        return len(self.extend_lens)
+        return self.seq_lens_cpu.numel()
 
     @property
-    def seq_lens(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: list[int],
+        rows: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        logits_idx: list[int] | None,
+        lp_idx: list[int],
+        device: torch.device,
+    ) -> ForwardBatch:
+        """From host lists: one packed int64 tensor, one copy to the device, then views of it."""
+        b, t = len(rows), len(input_ids)
+        ext = torch.tensor(extend_lens, dtype=torch.int64)
+        pre = torch.tensor(prefix_lens, dtype=torch.int64)
+        seq = pre + ext
+        starts = torch.cumsum(ext, 0) - ext
+        decode = t == b
+        if decode:
+            positions = pre
+        else:
+            positions = torch.arange(t) - torch.repeat_interleave(starts - pre, ext)
+        parts = [torch.tensor(input_ids, dtype=torch.int64), positions, torch.tensor(rows, dtype=torch.int64),
+                 seq, pre, ext, starts]  # fmt: skip
+        n_logits = 0 if logits_idx is None else len(logits_idx)
+        if logits_idx:
+            parts.append(torch.tensor(logits_idx, dtype=torch.int64))
+        if lp_idx:
+            parts.append(torch.tensor(lp_idx, dtype=torch.int64))
+        host = torch.cat(parts)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        views, at = [], 0
+        for n in (t, t, b, b, b, b, b, n_logits, len(lp_idx)):
+            views.append(dev[at : at + n])
+            at += n
+        ids, pos, rows_d, seq_d, pre_d, ext_d, start_d, logits_d, lp_d = views
+        return cls(
+            mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=rows_d,
+            seq_lens=seq_d,
+            prefix_lens=pre_d,
+            extend_lens=ext_d,
+            extend_start_loc=start_d,
+            logits_idx=None if logits_idx is None else logits_d,
+            lp_idx=lp_d if lp_idx else None,
+            seq_lens_cpu=seq,
+            extend_lens_cpu=ext,
+            max_extend_len=int(ext.max()) if b else 0,
+        )
+
+
+@dataclass(frozen=True)
+class LogitsOutput:
+    logits: torch.Tensor  # [len(logits_idx) or T, vocab] float32
+    lp_hidden: torch.Tensor | None  # [len(lp_idx), hidden], final-norm states for prompt logprobs

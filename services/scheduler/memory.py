@@ -52,11 +52,13 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Rows of slot indices, one row per running request."""
+    """Rows of slot indices, one row per running request. The last row is never handed out: it stays
+    all zeros (slot 0), for the padding rows of a CUDA-graph batch."""
 
     def __init__(self, rows: int, context_len: int, device: torch.device | str) -> None:
         self.table = torch.zeros((rows, context_len), dtype=torch.int64, device=device)
-        self._free_rows = list(range(rows - 1, -1, -1))
+        self.padding_row = rows - 1
+        self._free_rows = list(range(rows - 2, -1, -1))
 
     @property
     def free_count(self) -> int:

@@ -1,4 +1,9 @@
-"""Loads the weights, sizes and owns the KV memory, runs one forward plus sampling per step."""
+"""Loads the weights, sizes and owns the KV memory, runs one forward plus sampling per step.
+
+On CUDA the KV pool takes what `mem_fraction_static` leaves after the weights (as SGLang sizes it),
+the pool decides how many requests run at once, and decode steps replay CUDA graphs
+(`cuda_graph.py`) when the attention backend can be captured.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ import time
 import psutil
 import torch
 
+from services.scheduler.attention import create_backend, resolve_backend_name
 from services.scheduler.attention.base import AttentionBackend
-from services.scheduler.attention.torch_backend import TorchAttention
-from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.forward_batch import ForwardBatch, LogitsOutput
 from services.scheduler.memory import KVPool, ReqToTokenPool
-from services.scheduler.models.llama import LlamaForCausalLM
+from services.scheduler.models import model_class
+from services.scheduler.models.ops import make_ops
 from services.scheduler.sampling.sampler import SamplingInfo, sample
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
@@ -25,6 +31,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _CPU_KV_FRACTION = 0.15
 _GPU_MEM_FRACTION = 0.85
 _CPU_MAX_DEFAULT_TOKENS = 1 << 17
+_CPU_MAX_RUNNING = 64
+_GPU_MAX_RUNNING = 4096
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,30 +50,50 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_folder: str) -> None:
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = mc = ModelConfig.from_folder(model_folder)
         ctx = config.context_length or mc.max_position_embeddings
         if mc.sliding_window:  # no sliding-window attention yet: stay where it equals full attention
             ctx = min(ctx, mc.sliding_window)
         self.context_len = ctx
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device)
 
         t0 = time.perf_counter()
         torch.manual_seed(config.random_seed)
         with torch.device(self.device):
-            model = LlamaForCausalLM(mc, ctx)
+            model = model_class(mc.architecture)(mc, ctx)
         model = model.to(self.dtype)
         if config.load_format == "dummy":
             model.init_dummy(config.random_seed)
         else:
             model.load_weights(iter_weights(model_folder))
+        model.set_ops(make_ops(self.backend_name))
         self.model = model.eval()
         log.info("loaded %s in %.1f s", model_folder, time.perf_counter() - t0)
 
         self.max_total_tokens = self._pool_size(config)
-        self.max_running_requests = config.max_running_requests or (256 if self.device.type == "cuda" else 64)
+        self.max_running_requests = config.max_running_requests or self._default_max_running()
+        self.chunked_prefill_size = config.chunked_prefill_size or (
+            8192 if self.device.type == "cuda" else 2048
+        )
         self.kv = KVPool(mc, self.max_total_tokens, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 8, ctx + 1, self.device)
-        self.attn: AttentionBackend = TorchAttention(self.kv, self.req_to_token, mc.num_heads, mc.head_dim)
+        self.attn: AttentionBackend = create_backend(
+            self.backend_name, self.kv, self.req_to_token, mc.num_heads, mc.head_dim
+        )
+        self.graphs = None
+        if self.device.type == "cuda" and self.attn.supports_cuda_graph and not config.disable_cuda_graph:
+            from services.scheduler.cuda_graph import CudaGraphRunner
+
+            t0 = time.perf_counter()
+            max_bs = min(config.cuda_graph_max_bs, self.max_running_requests)
+            self.graphs = CudaGraphRunner(self.model, self.attn, self.req_to_token, max_bs)
+            log.info("captured %d CUDA graphs (decode batches up to %d) in %.1f s",
+                     len(self.graphs.buckets), max_bs, time.perf_counter() - t0)  # fmt: skip
+        log.info("KV pool %d tokens, %d running requests at most, attention %s",
+                 self.max_total_tokens, self.max_running_requests, self.backend_name)  # fmt: skip
 
     def _pool_size(self, config: EngineConfig) -> int:
         if config.max_total_tokens:
@@ -79,13 +107,21 @@ class ModelRunner:
         budget = psutil.virtual_memory().available * (config.mem_fraction_static or _CPU_KV_FRACTION)
         return max(min(int(budget // per_token), _CPU_MAX_DEFAULT_TOKENS), 16)
 
+    def _default_max_running(self) -> int:
+        if self.device.type != "cuda":
+            return _CPU_MAX_RUNNING
+        # SGLang's rule: room for 512 full-context requests' worth per context of pool, 2048..4096
+        by_pool = self.max_total_tokens * 512 // self.context_len
+        return min(max(by_pool, 2048), _GPU_MAX_RUNNING)
+
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Float32 logits [len(fb.logits_idx), vocab]."""
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.replay(fb)
         self.attn.prepare(fb)
         return self.model(fb, self.attn)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, info: SamplingInfo, output_lens: list[int]) -> torch.Tensor:
-        positions = torch.tensor(output_lens, dtype=torch.int64, device=logits.device).unsqueeze(1)
-        return sample(logits, info, positions)
+    def sample(self, logits: torch.Tensor, info: SamplingInfo, output_lens: torch.Tensor) -> torch.Tensor:
+        """output_lens [B, 1] int64 on the logits' device: each row's output index (keys seeded noise)."""
+        return sample(logits, info, output_lens)

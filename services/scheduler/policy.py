@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.radix_cache import RadixCache, TreeNode
 from services.scheduler.request import Req
 
@@ -35,11 +36,11 @@ def match_key(req: Req) -> list[int]:
     return req.fill[:n]
 
 
-def order_waiting(waiting: list[Req], tree: RadixCache, policy: str, max_wait: float) -> list[Req]:
+def order_waiting(waiting: list[Req], tree: PrefixCache, policy: str, max_wait: float) -> list[Req]:
     now = time.monotonic()
     starved = [r for r in waiting if now - r.arrival > max_wait]
     rest = [r for r in waiting if now - r.arrival <= max_wait] if starved else waiting
-    if policy == "fcfs" or tree.disable or (policy == "lpm" and len(waiting) > LPM_MAX_WAITING):
+    if policy == "fcfs" or not tree.shares or (policy == "lpm" and len(waiting) > LPM_MAX_WAITING):
         ordered = rest
     elif policy == "lpm":
         lengths = {id(r): len(tree.match_prefix(match_key(r)).indices) for r in rest}

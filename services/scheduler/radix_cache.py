@@ -31,8 +31,6 @@ from typing import NamedTuple
 
 import torch
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 class TreeNode:
     __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access_time", "access_seq")
@@ -68,16 +66,18 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[torch.Tensor], None], disable: bool = False):
+    shares = True  # matches can be non-empty (prefix_cache.NoPrefixCache: never)
+
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], device: torch.device | str = "cpu"):
         self.free_slots = free_slots
-        self.disable = disable
+        self._empty = torch.empty(0, dtype=torch.int64, device=device)
         self._seq = itertools.count(1)
         self._reset_tree()
 
     def _reset_tree(self) -> None:
         """Empty the tree WITHOUT freeing slots (reset() is the variant that frees)."""
         # root is permanently "locked" so evict/lock walks can stop there and it is never a victim.
-        self.root = TreeNode([], _EMPTY, None, lock_ref=1)
+        self.root = TreeNode([], self._empty, None, lock_ref=1)
         self._touch(self.root)
         self._evictable = 0
         self._protected = 0
@@ -85,8 +85,8 @@ class RadixCache:
 
     # ------------------------------------------------------------------ lookup / insert
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        if self.disable or len(key) == 0:
-            return MatchResult(_EMPTY, self.root)
+        if len(key) == 0:
+            return MatchResult(self._empty, self.root)
         key = self._as_list(key)
         node, i, parts = self.root, 0, []
         while i < len(key) and key[i] in node.children:
@@ -99,11 +99,11 @@ class RadixCache:
             parts.append(child.value)
             i += n
             node = child
-        indices = torch.cat(parts) if parts else _EMPTY
+        indices = torch.cat(parts) if parts else self._empty
         return MatchResult(indices, node)
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
-        if self.disable or len(key) == 0:
+        if len(key) == 0:
             return 0
         key = self._as_list(key)
         assert value.dim() == 1 and len(value) == len(key), "value must hold one slot per key token"
@@ -185,7 +185,7 @@ class RadixCache:
 
     def all_slots(self) -> torch.Tensor:
         parts = [n.value for n in self._walk() if n is not self.root]
-        return torch.cat(parts) if parts else _EMPTY
+        return torch.cat(parts) if parts else self._empty
 
     def pretty(self) -> str:
         lines = [f"root  evictable={self._evictable} protected={self._protected}"]

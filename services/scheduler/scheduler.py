@@ -29,10 +29,9 @@ from services.scheduler.batch_log import BatchLog
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
-from services.scheduler.radix_cache import RadixCache
+from services.scheduler.prefix_cache import make_prefix_cache
 from services.scheduler.request import Req, check_request
 from services.scheduler.sample_step import SampleStep
-from services.scheduler.sampling.penalties import Penalizer
 from services.scheduler.step_output import StepOutput
 from shared.config import EngineConfig
 from shared.messages import BatchTokenOut, GenerateReq
@@ -50,8 +49,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.cfg, self.runner = config, runner
         self.kv, self.req_to_token = runner.kv, runner.req_to_token
-        self.tree = RadixCache(self.kv.free, disable=config.disable_radix_cache)
+        self.tree = make_prefix_cache(config.disable_radix_cache, self.kv, self.req_to_token)
         self.context_len = runner.context_len
+        self.chunk_size = runner.chunked_prefill_size
         self.max_running = runner.max_running_requests
         self.eos_ids = runner.model_config.eos_token_ids
         self.vocab_size = runner.model_config.vocab_size
@@ -59,10 +59,13 @@ class Scheduler:
         self.running: list[Req] = []
         self.ratio = config.new_token_ratio
         self.output = StepOutput()
-        self.penalizer = Penalizer(self.req_to_token.table.shape[0], self.vocab_size, runner.device)
+        # KV slots promised to this step's requests (`_extend`), taken from the pool in one go when
+        # the step's batch is built; `_step_slots`: those of the step in flight, until it completes
+        self._promised = 0
+        self._step_slots: torch.Tensor | None = None
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
-        self.sampling = SampleStep(runner, self.penalizer, self.stats)
+        self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
         self._log = BatchLog(log)
 
     # -- inputs -------------------------------------------------------------------------------
@@ -142,10 +145,10 @@ class Scheduler:
         if batch:
             fb, samplers, lp_reqs = self._forward_batch(batch)
             t1 = time.perf_counter()
-            logits = self.runner.forward(fb)
+            out = self.runner.forward(fb)
             if lp_reqs:
-                self.sampling.input_logprobs(fb, lp_reqs)
-            tokens = self.sampling.sample(logits, samplers) if samplers else []
+                self.sampling.input_logprobs(out.lp_hidden, lp_reqs)
+            tokens = self.sampling.sample(out.logits, samplers) if samplers else []
             self.stats["forward_s"] += time.perf_counter() - t1
             self._process(batch, samplers, tokens)
             self.stats["steps"] += 1
@@ -161,7 +164,7 @@ class Scheduler:
         # running requests first: decodes cost one slot each, chunked prefills take from the budget;
         # retract the newest while even an emptied cache could not hold this step's tokens
         while True:
-            plan, budget = self._plan_running(self.cfg.chunked_prefill_size)
+            plan, budget = self._plan_running(self.chunk_size)
             need = sum(n for _, n in plan)
             if need <= self.kv.free_count + self.tree.evictable_size() or len(self.running) <= 1:
                 break
@@ -203,7 +206,7 @@ class Scheduler:
                 continue
             self.tree.inc_lock_ref(match.last_node)
             n = min(req.fill_len - cached, budget)
-            available = self.kv.free_count + self.tree.evictable_size()
+            available = self.kv.free_count - self._promised + self.tree.evictable_size()
             if not self.running:  # alone it may take the whole pool, chunk by chunk
                 n = min(n, available)
             # past max_queue_wait only this step's tokens must fit, not the reserve: a long output
@@ -216,13 +219,13 @@ class Scheduler:
             self.req_to_token.table[req.row, :cached] = match.indices
             req.last_node, req.num_cached, req.num_computed = match.last_node, cached, cached
             try:
-                self.penalizer.on_admit(req)
+                self.sampling.admit(req)
             except Exception as e:
-                log.exception("penalty state for request %s failed", req.rid)
+                log.exception("sampling state for request %s failed", req.rid)
                 self.tree.dec_lock_ref(match.last_node)
                 self.req_to_token.free(req.row)
                 req.row, req.last_node, req.num_cached, req.num_computed = None, None, 0, 0
-                self._finish_now(req, f"internal error in penalties for this request: {e!r}", 500)
+                self._finish_now(req, f"internal error in sampling state for this request: {e!r}", 500)
                 failed.append(req)
                 continue
             if req.cached_tokens is None:
@@ -248,20 +251,19 @@ class Scheduler:
         return math.ceil(self.ratio * max(min(req.remaining_output, self.context_len - req.fill_len), 0))
 
     def _extend(self, req: Req, n: int) -> bool:
-        """Give `req` KV slots for its next n tokens, evicting cache leaves if needed."""
-        slots = self.kv.alloc(n)
-        if slots is None:
-            self.tree.evict(n - self.kv.free_count)
-            slots = self.kv.alloc(n)
-            if slots is None:
-                req.extend_len = 0
-                return False
-        self.req_to_token.table[req.row, req.num_computed : req.num_computed + n] = slots
+        """Promise `req` KV slots for its next n tokens, evicting cache leaves if needed; the slots
+        are taken when the step's batch is built (`_forward_batch`: one allocation for all)."""
+        short = n - (self.kv.free_count - self._promised)
+        if short > 0 and self.tree.evict(short) < short:
+            req.extend_len = 0
+            return False
+        self._promised += n
         req.extend_len = n
         return True
 
     def _retract(self, req: Req) -> None:
-        self._cache(req, finished=True)
+        self.sampling.release(req)
+        self.tree.cache_finished(req)
         req.num_cached = req.num_computed = 0
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -275,9 +277,13 @@ class Scheduler:
         logits_idx: list[int] = []
         lp_idx: list[int] = []
         lp_reqs: list[tuple[Req, int]] = []  # requests owing prompt logprobs, positions this step
+        rows, prefix_lens, extend_lens = [], [], []
         start = 0
         for r in batch:
             c, n = r.num_computed, r.extend_len
+            rows.append(r.row)
+            prefix_lens.append(c)
+            extend_lens.append(n)
             if n == 1:
                 ids.append(r.prompt[c] if c < len(r.prompt) else r.output[c - len(r.prompt)])
             else:
@@ -291,23 +297,15 @@ class Scheduler:
             if c + n == r.fill_len and r.remaining_output > 0:
                 samplers.append(r)
                 logits_idx.append(start - 1)
-        dev = self.runner.device
-        ext = torch.tensor([r.extend_len for r in batch])
-        pre = torch.tensor([r.num_computed for r in batch])
-        rows = torch.tensor([r.row for r in batch])
-        firsts = torch.cumsum(ext, 0) - ext
-        positions = torch.arange(start) - torch.repeat_interleave(firsts - pre, ext)
-        loc = self.req_to_token.table[torch.repeat_interleave(rows.to(dev), ext.to(dev)), positions.to(dev)]
-        fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev),
-            out_cache_loc=loc,
-            rows=rows.to(dev),
-            prefix_lens=pre.tolist(),
-            extend_lens=ext.tolist(),
-            logits_idx=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
-            lp_idx=torch.tensor(lp_idx, dtype=torch.int64, device=dev) if lp_idx else None,
-        )
+        loc = self.kv.alloc(self._promised)
+        assert loc is not None and loc.numel() == start, "the step's slots were promised"
+        self._promised, self._step_slots = 0, loc
+        every = len(logits_idx) == start  # every token samples (a decode batch): no gather
+        fb = ForwardBatch.build(ids, rows, prefix_lens, extend_lens, loc, None if every else logits_idx,
+                                lp_idx, self.runner.device)  # fmt: skip
+        # the new tokens' slots into their rows of req_to_token, one scatter for the batch
+        token_rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=start)
+        self.req_to_token.table[token_rows, fb.positions] = loc
         return fb, samplers, lp_reqs
 
     def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int | None]) -> None:
@@ -315,6 +313,7 @@ class Scheduler:
         for r in batch:
             r.num_computed += r.extend_len
             r.extend_len = 0
+        self._step_slots = None
         generated = 0
         for r, tok in zip(samplers, tokens, strict=True):
             if tok is None:  # failed in this step; _release_finished reports it
@@ -330,7 +329,7 @@ class Scheduler:
                 self.output.emit(r, [])
         for r in prefilled:
             if r.finish is None:
-                self._cache(r, finished=False)  # share the prefix with requests that arrive meanwhile
+                self.tree.cache_unfinished(r)  # share the prefix with requests that arrive meanwhile
         if len(prefilled) < len(batch):
             self._log.decode_step(self, generated)
 
@@ -339,42 +338,19 @@ class Scheduler:
             for r in [r for r in self.running if r.finish]:
                 if r.finish.get("type") == "abort":
                     self.output.emit(r, [])
-                self._cache(r, finished=True)
+                self.sampling.release(r)
+                self.tree.cache_finished(r)
                 self.running.remove(r)
-
-    # -- cache bookkeeping --------------------------------------------------------------------
-    def _cache(self, req: Req, finished: bool) -> None:
-        """Hand the request's computed KV to the radix cache. Unfinished: keep it locked and point the
-        request at the cached copy. Finished: unlock and give back the row."""
-        n, row = req.num_computed, req.row
-        slots = self.req_to_token.table[row, :n].clone()
-        if self.tree.disable:
-            if finished:
-                self.kv.free(slots[req.num_cached :])
-        else:
-            key = req.fill[:n]
-            prefix = self.tree.insert(key, slots)
-            self.kv.free(slots[req.num_cached : prefix])  # our duplicates of what another request cached
-            if not finished:
-                match = self.tree.match_prefix(key)
-                self.req_to_token.table[row, :n] = match.indices
-                self.tree.inc_lock_ref(match.last_node)
-                self.tree.dec_lock_ref(req.last_node)
-                req.last_node, req.num_cached = match.last_node, n
-        if finished:
-            self.tree.dec_lock_ref(req.last_node)
-            self.req_to_token.free(row)
-            req.row, req.last_node = None, None
 
     # -- output -------------------------------------------------------------------------------
     def fail_running(self, message: str) -> BatchTokenOut | None:
         """After a step raised: abort every running request with a reason and give back its KV, so
         the server keeps serving. Slots taken for the failed step were never counted; free them."""
+        if self._step_slots is not None:
+            self.kv.free(self._step_slots)
+        self._promised, self._step_slots = 0, None
         for r in self.running:
-            if r.extend_len:
-                c = r.num_computed
-                self.kv.free(self.req_to_token.table[r.row, c : c + r.extend_len].clone())
-                r.extend_len = 0
+            r.extend_len = 0
             r.finish = r.finish or {"type": "abort", "message": message, "status_code": 500}
         self._release_finished()
         return self.take_output()
@@ -393,7 +369,7 @@ class Scheduler:
 
     def used_tokens(self) -> int:
         """KV slots held by running requests or locked in the cache (what cannot be evicted)."""
-        return self.kv.size - self.kv.free_count - self.tree.evictable_size()
+        return self.kv.size - (self.kv.free_count - self._promised) - self.tree.evictable_size()
 
     def check_integrity(self) -> None:
         """free + cached + in use == pool size; raises AssertionError on a leak."""

@@ -224,7 +224,7 @@ class SchedulerService:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "num_running_reqs": len(sched.running),
             "num_queue_reqs": len(sched.waiting),
-            "num_used_tokens": sched.kv.size - sched.kv.free_count - sched.tree.evictable_size(),
+            "num_used_tokens": sched.used_tokens(),
             "cache_hit_rate": sched.stats["cached_tokens"] / max(1, sched.stats["prompt_tokens"]),
             "stats": dict(sched.stats),
             "kv_integrity_error": self.integrity_error,

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from services.scheduler.request import Req
-from services.scheduler.sampling.penalties import MAX_BIAS, Penalizer
+from services.scheduler.sampling.logit_bias import MAX_BIAS, LogitBiasProcessor
+from services.scheduler.sampling.min_new_tokens import MinNewTokensProcessor
+from services.scheduler.sampling.penalties import PenaltyProcessor
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
@@ -21,6 +23,34 @@ def make_req(rid: str, row: int, prompt: list[int], output: list[int], **params)
     )
     r.row, r.output = row, list(output)
     return r
+
+
+class Penalizer:
+    """The three logits processors that change logits, in SampleStep's order."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.penalties = PenaltyProcessor(rows, vocab, device)
+        self.procs = [self.penalties, LogitBiasProcessor(device), MinNewTokensProcessor(device)]
+
+    @property
+    def out_counts(self):
+        return self.penalties.out_counts
+
+    def on_admit(self, r: Req) -> None:
+        for p in self.procs:
+            p.admit(r)
+
+    def apply(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        for p in self.procs:
+            p.apply(logits, reqs, lens(reqs))
+
+    def on_sample(self, reqs: list[Req], tokens: torch.Tensor) -> None:
+        for p in self.procs:
+            p.on_sample(reqs, tokens)
+
+
+def lens(reqs: list[Req]) -> torch.Tensor:
+    return torch.tensor([[len(r.output)] for r in reqs], dtype=torch.int64)
 
 
 def reference(logits: torch.Tensor, r: Req) -> torch.Tensor:
@@ -143,15 +173,17 @@ def test_huge_logit_biases_are_clamped_so_probabilities_stay_finite():
 
 
 def test_apply_that_raises_leaves_the_logits_untouched():
-    """The scheduler then retries request by request: nothing may have been applied twice."""
+    """SampleStep then retries request by request: nothing may have been applied twice."""
     biased = make_req("b", 0, [1], [], logit_bias={"5": 2.0}, min_new_tokens=1)
     counted = make_req("c", 1, [1], [3], frequency_penalty=1.0)
     pen = Penalizer(2, V, torch.device("cpu"))
-    pen.on_admit(biased)  # `counted` never got its state: building its pairs raises
+    pen.on_admit(biased)
+    pen.on_admit(counted)
+    del pen.penalties.seen[counted.row]  # its state is gone: building its pairs raises
     logits = torch.randn(2, V)
     got = logits.clone()
     with pytest.raises(KeyError):
-        pen.apply(got, [biased, counted])
+        pen.penalties.apply(got, [biased, counted], lens([biased, counted]))
     assert torch.equal(got, logits)
     pen.apply(got[:1], [biased])
     assert got[0, 5] == logits[0, 5] + 2.0 and torch.isinf(got[0, EOS])

@@ -208,17 +208,6 @@ def test_evict_does_not_cascade_into_locked_parent():
     tree._check_sizes()
 
 
-def test_disabled_cache_stores_nothing():
-    pool = FakePool()
-    tree = RadixCache(pool.free, disable=True)
-    v = pool.alloc(3)
-    assert tree.insert([1, 2, 3], v) == 0
-    m = tree.match_prefix([1, 2, 3])
-    assert m.indices.numel() == 0 and m.last_node is tree.root
-    assert tree.total_size() == 0 and tree.all_slots().numel() == 0
-    assert tree.evict(10) == 0 and pool.freed == []
-
-
 def test_reset_frees_everything():
     tree, pool = make()
     tree.insert([1, 2, 3], pool.alloc(3))

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import services.scheduler.batch_log as batch_log
-import services.scheduler.sample_step as sample_step
+import services.scheduler.logprobs as logprobs_module
 import services.scheduler.scheduler as scheduler_module
+from services.scheduler.forward_batch import LogitsOutput
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.sampling.sampler import sample
 from services.scheduler.scheduler import Scheduler
@@ -35,18 +36,20 @@ class FakeRunner:
         shape = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
         self.kv = KVPool(shape, pool, torch.float32, "cpu")
         self.req_to_token = ReqToTokenPool(rows + 8, context + 1, "cpu")
+        self.chunked_prefill_size = 2048
         self.model = SimpleNamespace(logits=lambda hidden: hidden * 10.0)
 
-    def forward(self, fb) -> torch.Tensor:
+    def forward(self, fb) -> LogitsOutput:
+        lp_hidden = None
         if fb.lp_idx is not None:
-            fb.lp_hidden = torch.nn.functional.one_hot(fb.input_ids[fb.lp_idx], V).float()
-        last = fb.input_ids[fb.logits_idx]
+            lp_hidden = torch.nn.functional.one_hot(fb.input_ids[fb.lp_idx], V).float()
+        last = fb.input_ids if fb.logits_idx is None else fb.input_ids[fb.logits_idx]
         logits = torch.nn.functional.one_hot((last + 1) % (V - 1), V).float() * 10.0
         logits[last == POISON] = float("nan")
-        return logits
+        return LogitsOutput(logits, lp_hidden)
 
     def sample(self, logits, info, output_lens):
-        return sample(logits, info, torch.tensor(output_lens).unsqueeze(1))
+        return sample(logits, info, output_lens)
 
 
 def make(pool: int = 256, context: int = 64, **cfg) -> Scheduler:
@@ -168,14 +171,14 @@ def test_a_row_without_finite_logits_ends_that_request_alone():
 
 def test_penalties_that_raise_for_one_request_end_that_request_alone(monkeypatch):
     sched = make()
-    real = sched.penalizer.apply
+    real = sched.sampling.penalties.apply
 
-    def apply(logits, reqs):
+    def apply(logits, reqs, lens):
         if any(r.rid == "bad" for r in reqs):
             raise RuntimeError("boom")
-        real(logits, reqs)
+        real(logits, reqs, lens)
 
-    monkeypatch.setattr(sched.penalizer, "apply", apply)
+    monkeypatch.setattr(sched.sampling.penalties, "apply", apply)
     sched.add_request(msg("pen", [5, 6], presence_penalty=1.0))
     sched.add_request(msg("bad", [8, 9]))
     sched.add_request(msg("plain", [10, 11]))
@@ -186,14 +189,14 @@ def test_penalties_that_raise_for_one_request_end_that_request_alone(monkeypatch
 
 def test_output_logprobs_that_raise_for_one_request_end_that_request_alone(monkeypatch):
     sched = make()
-    real = sample_step.output_rows
+    real = logprobs_module.output_rows
 
     def output_rows(lp, sampled, top_ks, token_ids):
         if 7 in top_ks:
             raise IndexError("bad top_k")
         return real(lp, sampled, top_ks, token_ids)
 
-    monkeypatch.setattr(sample_step, "output_rows", output_rows)
+    monkeypatch.setattr(logprobs_module, "output_rows", output_rows)
     sched.add_request(msg("lp", [5, 6], LogprobReq(top_k=2)))
     sched.add_request(msg("bad", [8, 9], LogprobReq(top_k=7)))
     sched.add_request(msg("plain", [10, 11]))

@@ -1,4 +1,12 @@
-"""The attention-backend interface: every backend reads and writes the same token-level KV pool."""
+"""The attention-backend interface: every backend reads and writes the same token-level KV pool.
+
+Per step the runner calls `prepare(fb)` once; the backend keeps what it plans (gather indices,
+masks, kernel arguments) on itself, and every layer's `forward` reuses it. A backend that can run
+inside a CUDA graph says so (`supports_cuda_graph`) and implements the two hooks: `init_cuda_graph`
+allocates whatever its decode path needs for batches up to max_bs once, and `prepare` of a DECODE
+batch then reads only the batch's device tensors (no host work that depends on their values), so
+the graph runner calls it on its static batch before capture and replays it as is.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,8 @@ from services.scheduler.memory import KVPool, ReqToTokenPool
 
 
 class AttentionBackend(ABC):
+    supports_cuda_graph = False
+
     def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, num_heads: int, head_dim: int) -> None:
         self.kv, self.req_to_token = kv, req_to_token
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -18,7 +28,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
-        """Build per-step metadata (gather indices, masks) once; every layer reuses it via fb.attn."""
+        """Plan this step's attention once; every layer reuses it."""
 
     @abstractmethod
     def forward(
@@ -26,3 +36,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] for the new tokens. Stores k/v at fb.out_cache_loc, attends over
         each request's whole sequence (cached prefix + new tokens, causal) and returns [T, H, D]."""
+
+    def init_cuda_graph(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside a CUDA graph")

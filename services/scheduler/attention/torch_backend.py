@@ -33,17 +33,19 @@ class _Meta:
 
 
 class TorchAttention(AttentionBackend):
+    meta: _Meta
+
     def prepare(self, fb: ForwardBatch) -> None:
         table = self.req_to_token.table
         device = table.device
         starts, dec, extends = 0, [], []
-        seq_lens = fb.seq_lens
-        for i, (ext, prefix) in enumerate(zip(fb.extend_lens, fb.prefix_lens, strict=True)):
+        seq_lens, ext_lens = fb.seq_lens_cpu.tolist(), fb.extend_lens_cpu.tolist()
+        for i, (ext, seq) in enumerate(zip(ext_lens, seq_lens, strict=True)):
             if ext == 1:
                 dec.append((starts, i))
             elif ext > 1:
-                seq = prefix + ext
-                idx = table[fb.rows[i], :seq]
+                prefix = seq - ext
+                idx = table[fb.req_pool_indices[i], :seq]
                 mask = None
                 if prefix:
                     q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
@@ -53,20 +55,21 @@ class TorchAttention(AttentionBackend):
         dec_tok = dec_idx = dec_mask = None
         if dec:
             tok = [t for t, _ in dec]
+            lens_cpu = [seq_lens[i] for _, i in dec]
             reqs = torch.tensor([i for _, i in dec], device=device)
-            lens = torch.tensor([seq_lens[i] for _, i in dec], device=device)
-            max_len = int(lens.max())
+            lens = torch.tensor(lens_cpu, device=device)
+            max_len = max(lens_cpu)
             valid = torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1)
-            dec_idx = table[fb.rows[reqs], :max_len].masked_fill(~valid, 0)
-            if int(lens.min()) != max_len:
+            dec_idx = table[fb.req_pool_indices[reqs], :max_len].masked_fill(~valid, 0)
+            if min(lens_cpu) != max_len:
                 dec_mask = valid[:, None, None, :]
             dec_tok = torch.tensor(tok, device=device)
-        fb.attn = _Meta(dec_tok, dec_idx, dec_mask, len(dec) == len(fb.extend_lens) and not extends, extends)
+        self.meta = _Meta(dec_tok, dec_idx, dec_mask, len(dec) == len(ext_lens) and not extends, extends)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        meta: _Meta = fb.attn
+        meta = self.meta
         k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
         k_pool[fb.out_cache_loc] = k
         v_pool[fb.out_cache_loc] = v

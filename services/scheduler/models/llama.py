@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.attention.base import AttentionBackend
-from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.forward_batch import ForwardBatch, LogitsOutput
+from services.scheduler.models.ops import TorchOps, TritonOps
 from shared.model_config import ModelConfig
 
 
@@ -23,12 +25,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -53,27 +49,16 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
 
 
-class Rotary(nn.Module):
-    """cos/sin for every position up to the context length, computed once as transformers does."""
+class Rotary:
+    """cos/sin for every position up to the context length, computed once as transformers does;
+    fp32 plain tensors (not parameters or buffers: model.to(bf16) must not round them)."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        # plain attributes, not buffers: model.to(bf16) must not round them
         self.cos, self.sin = emb.cos(), emb.sin()
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -91,23 +76,33 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
 
     def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
-        attn: AttentionBackend,
-        fb: ForwardBatch,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = F.linear(self.input_layernorm(x), self.qkv_proj)
+        self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, ctx: _Context
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (the embeddings for layer 0), residual: the stream it adds
+        to (None for layer 0). Returns this layer's output and the residual stream before it."""
+        ops, t = ctx.ops, x.shape[0]
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        qkv = F.linear(h, self.qkv_proj)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
-        o = attn.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), self.layer, fb)
-        x = x + F.linear(o.reshape(t, self.q_size), self.o_proj)
-        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        q, k = ops.rope(q, k, ctx.rotary.cos, ctx.rotary.sin, fb.positions)
+        o = ctx.attn.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), self.layer, fb)
+        o = F.linear(o.reshape(t, self.q_size), self.o_proj)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(o, residual, norm.weight, norm.eps)
+        return F.linear(ops.silu_and_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
+
+
+@dataclass
+class _Context:
+    ops: TorchOps | TritonOps
+    rotary: Rotary
+    attn: AttentionBackend
 
 
 class LlamaForCausalLM(nn.Module):
@@ -123,17 +118,25 @@ class LlamaForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
         self.rotary = Rotary(config, max_positions)
+        self.ops: TorchOps | TritonOps = TorchOps()
+
+    def set_ops(self, ops: TorchOps | TritonOps) -> None:
+        self.ops = ops
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Returns float32 logits [len(fb.logits_idx), vocab] for the tokens that sample; keeps the final
-        hidden states of `fb.lp_idx` in `fb.lp_hidden` (prompt logprobs, turned into logits later)."""
-        x = F.embedding(fb.input_ids, self.embed_tokens)
+    def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> LogitsOutput:
+        """Float32 logits for the tokens that sample (fb.logits_idx; every token when None), and the
+        final hidden states of fb.lp_idx for prompt logprobs (turned into logits later, in slices)."""
+        ctx = _Context(self.ops, self.rotary, attn)
+        x, residual = F.embedding(fb.input_ids, self.embed_tokens), None
         for layer in self.layers:
-            x = layer(x, fb.positions, self.rotary, attn, fb)
+            x, residual = layer(x, residual, fb, ctx)
+        x = x + residual
+        lp_hidden = None
         if fb.lp_idx is not None:
-            fb.lp_hidden = self.norm(x[fb.lp_idx])
-        return self.logits(self.norm(x[fb.logits_idx]))
+            lp_hidden = self.ops.rms_norm(x[fb.lp_idx], self.norm.weight, self.norm.eps)
+        last = x if fb.logits_idx is None else x[fb.logits_idx]
+        return LogitsOutput(self.logits(self.ops.rms_norm(last, self.norm.weight, self.norm.eps)), lp_hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""The elementwise and normalisation steps of a decoder layer, in two implementations with one
+interface: `TorchOps` (the reference; transformers' numerics, so fp32 greedy output matches HF token
+for token) and `TritonOps` (kernels/: one fused launch per step instead of several torch ops).
+
+    add_rms_norm(x, residual, w, eps)   (rms_norm(x + residual), x + residual)
+    silu_and_mul(gate_up)               silu(gate) * up for gate_up = [gate | up]
+    rope(q, k, cos, sin, positions)     rotate-half RoPE on q [T, H, D] and k [T, Hkv, D]
+
+The Triton versions follow the same rounding (the sum is rounded to the input dtype before it is
+normalised; normalisation in fp32; the weight multiplies in the input dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(
+        cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return cls.rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        s = sin[positions].unsqueeze(1).to(q.dtype)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TritonOps:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels.activation import silu_and_mul
+        from kernels.norm import fused_add_rms_norm, rms_norm
+        from kernels.rope import apply_rope
+
+        self._rms_norm, self._add_rms_norm = rms_norm, fused_add_rms_norm
+        self._silu_and_mul, self._rope = silu_and_mul, apply_rope
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._add_rms_norm(x, residual, weight, eps)  # residual updated in place
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._silu_and_mul(gate_up)
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._rope(q, k, cos, sin, positions)  # in place
+        return q, k
+
+
+def make_ops(name: str) -> TorchOps | TritonOps:
+    return TritonOps() if name == "triton" else TorchOps()
