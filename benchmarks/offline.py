@@ -26,6 +26,12 @@ from benchmarks.hf_baseline import run_hf
 from benchmarks.launch import append_result
 from benchmarks.workloads import Workload, add_workload_args, build_workload, optimal_hit_rate
 from services.scheduler.model_runner import resolve_device
+from shared.config import EngineConfig, add_cli_args, cli_overrides
+
+# the engine options a benchmark run may set (the rest come from SGLBUS_* or their defaults)
+ENGINE_FLAGS = ("model_path", "load_format", "dtype", "device", "schedule_policy", "chunked_prefill_size",
+                "max_running_requests", "max_total_tokens", "mem_fraction_static", "disable_radix_cache",
+                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph")  # fmt: skip
 
 
 @dataclass
@@ -48,13 +54,8 @@ class RunResult:
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description="Offline throughput benchmark for sglbus.Engine")
     add_workload_args(p)
+    add_cli_args(p, EngineConfig, only=ENGINE_FLAGS)
     e = p.add_argument_group("engine")
-    e.add_argument("--model-path", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    e.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    e.add_argument("--schedule-policy", default="lpm", choices=("lpm", "dfs-weight", "fcfs"))
-    e.add_argument("--chunked-prefill-size", type=int, default=2048)
-    e.add_argument("--max-running-requests", type=int, default=None)
-    e.add_argument("--disable-radix-cache", action="store_true")
     c = p.add_argument_group("comparisons and output")
     c.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the workload")
     c.add_argument("--hf-batch-size", type=int, default=16)
@@ -74,14 +75,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
 
 def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[RunResult, dict[str, Any]]:
     """One engine lifetime: build the workload, warm up, time the whole workload as one batch."""
-    opts: dict[str, Any] = {
-        "load_format": args.load_format,
-        "schedule_policy": args.schedule_policy,
-        "chunked_prefill_size": args.chunked_prefill_size,
-        "max_running_requests": args.max_running_requests,
-        "disable_radix_cache": disable_radix_cache,
-    }
-    with sglbus.Engine(args.model_path, **opts) as engine:
+    opts = {**cli_overrides(args, EngineConfig), "disable_radix_cache": disable_radix_cache}
+    with sglbus.Engine(**opts) as engine:
         workload = build_workload(args, engine.model_config.vocab_size)
         # warmup: first-forward allocations are not throughput; flush so it feeds no cache hits
         warm = [ids[:16] for ids, _ in workload[:2]]
@@ -181,7 +176,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     # the machine may be shared: a busy CPU at the start explains a slow run in the recorded row
     load_at_start = os.getloadavg()[0]
-    main_run, info = run_engine(args, args.disable_radix_cache)
+    main_run, info = run_engine(args, bool(args.disable_radix_cache))
     workload: Workload = info["workload"]
     print_block(main_run)
     results = [main_run]

@@ -1,0 +1,150 @@
+"""Extend attention (prefill, chunked prefill, prefix-cache hits) over the token-level KV pool.
+
+    k_buf, v_buf      [num_slots + 1, Hkv, D]  slot 0 is padding (never handed out; read, never trusted)
+    req_to_token      [rows, context_len]      row r: the slot of each token of the request using row r
+    q, out            [T, H, D]                request i's new tokens at rows start_i .. start_i + ext_i - 1
+
+Request i has prefix_i cached tokens and ext_i new ones, all already in the pool. Its new token m sits
+at position prefix_i + m and attends to keys 0 .. prefix_i + m:
+
+    keys     0 ............ prefix_i-1 | prefix_i ........ prefix_i+ext_i-1
+    token m  all visible (the cache)   | causal: up to and including its own position
+
+Grid (B, cdiv(max_extend_len, BLOCK_M), H): one program takes BLOCK_M new tokens of one request for
+one q head (q head h reads kv head h // (H / Hkv)); blocks past the request's ext_i do nothing. Keys
+stream in BLOCK_N tiles with an online softmax and stop at the block's causal limit. Key 0 is visible
+to every row, so each row's running max is finite after the first tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
+    """tl.dot's operand dtype and input precision: the KV dtype on the GPU (fp32 as IEEE, not TF32);
+    float32 under the interpreter, whose dot multiplies bf16 bit patterns as integers."""
+    if device.type == "cpu" or dtype == torch.float32:
+        return tl.float32, "ieee"
+    return _TL_DTYPES[dtype], "tf32"
+
+
+@triton.jit
+def _extend_kernel(
+    q, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_ks, stride_kh, stride_kd,
+    stride_vs, stride_vh, stride_vd,
+    stride_rr, stride_rt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    block_m = tl.program_id(1)
+    head = tl.program_id(2)
+
+    ext_len = tl.load(extend_lens + req).to(tl.int32)
+    if block_m * BLOCK_M < ext_len:
+        prefix = tl.load(prefix_lens + req).to(tl.int32)
+        tok0 = tl.load(extend_start_loc + req).to(tl.int64)
+        row = tl.load(req_pool_indices + req).to(tl.int64)
+        kv_head = head // GROUP
+        m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < ext_len
+        pos = prefix + m
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q_tile = tl.load(
+            q + (tok0 + m[:, None]) * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+            mask=m_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # the causal limit of the block's last row: keys past it are visible to no row here
+        kv_end = prefix + tl.minimum(ext_len, (block_m + 1) * BLOCK_M)
+        for n0 in range(0, kv_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < kv_end
+            slots = tl.load(req_to_token + row * stride_rr + n * stride_rt, mask=n_ok, other=0)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :] * stride_kd,
+                mask=kv_mask,
+                other=0.0,
+            )
+            qk = tl.dot(q_tile, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+            qk = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            # masked V rows load as zeros: garbage (even NaN) in unread slots never reaches acc
+            v = tl.load(
+                v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd,
+                mask=kv_mask,
+                other=0.0,
+            )
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        res = acc / l_i[:, None]
+        tl.store(
+            out + (tok0 + m[:, None]) * stride_ot + head * stride_oh + d[None, :] * stride_od,
+            res.to(out.dtype.element_ty),
+            mask=m_ok[:, None] & d_ok[None, :],
+        )
+
+
+def _blocks(device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). GPU: the best of BLOCK_M 64/128, BLOCK_N 32/64/128,
+    4/8 warps and 2/3 stages on an H200 (head_dim 128, bf16), for 8 x 256 new tokens up to 8192."""
+    if device.type == "cpu":  # the interpreter: small tiles, so short test sequences span several
+        return 16, 16, 4, 1
+    return 128, 64, 4, 3
+
+
+def extend_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+) -> None:
+    """Causal attention of each request's new tokens over its cached prefix and themselves; writes out.
+    Any strides; max_extend_len (a host int) must be >= every extend_lens[i]. out may be q itself
+    (each program reads its own rows of q before it writes them)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_buf.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} q heads do not group evenly over {num_kv_heads} kv heads")
+    batch = req_pool_indices.shape[0]
+    if batch == 0 or max_extend_len <= 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_m, block_n, num_warps, num_stages = _blocks(q.device)
+    dot_dtype, precision = _dot_operands(k_buf.dtype, q.device)
+    _extend_kernel[(batch, triton.cdiv(max_extend_len, block_m), num_heads)](
+        q, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+        sm_scale * _LOG2E,
+        *q.stride(), *out.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

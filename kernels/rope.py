@@ -1,0 +1,74 @@
+"""Rotate-half RoPE on q and k in place, in Triton: one program per token rotates all its heads.
+
+q and k may be strided views of the fused qkv projection; only their own elements are written.
+The cos/sin tables are [max_pos, D] fp32 with equal halves (`cat((freqs, freqs), -1)`), so only the
+first half of a row is read. The rotation runs in fp32 and is rounded once to the input dtype, where
+models/llama.py's Rotary rounds cos/sin and each product to the dtype first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(ptr, head_stride, n_heads, cos, sin, d, d_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """x[:HALF], x[HALF:] -> x1*cos - x2*sin, x2*cos + x1*sin for every head of one token."""
+    h = tl.arange(0, BLOCK_H)
+    mask = (h < n_heads)[:, None] & d_mask[None, :]
+    lo = ptr + h[:, None] * head_stride + d[None, :]
+    x1 = tl.load(lo, mask=mask, other=0.0)
+    x2 = tl.load(lo + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(lo, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(lo + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    table_stride,
+    n_q_heads,
+    n_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HALF
+    cos = tl.load(cos_ptr + pos * table_stride + d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * table_stride + d, mask=d_mask, other=0.0)[None, :]
+    _rotate(q_ptr + t * q_stride_t, q_stride_h, n_q_heads, cos, sin, d, d_mask, HALF, BLOCK_HQ)
+    _rotate(k_ptr + t * k_stride_t, k_stride_h, n_k_heads, cos, sin, d, d_mask, HALF, BLOCK_HK)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """In place: q [T, H, D] and k [T, Hkv, D] <- x*cos[pos] + rotate_half(x)*sin[pos]."""
+    t, n_q, dim = q.shape
+    assert k.shape[0] == t and k.shape[2] == dim and k.dtype == q.dtype and dim % 2 == 0
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q and k need a contiguous head_dim"
+    assert cos.shape == sin.shape and cos.shape[1] == dim and cos.stride() == sin.stride()
+    assert cos.stride(-1) == 1 and positions.shape == (t,)
+    half = dim // 2
+    block_d = triton.next_power_of_2(half)
+    block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(k.shape[1])
+    _rope_kernel[(t,)](
+        q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        n_q, k.shape[1], HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        num_warps=min(max(block_hq * block_d // 512, 1), 8),
+    )  # fmt: skip

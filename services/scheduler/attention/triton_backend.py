@@ -1,0 +1,54 @@
+"""Attention on Triton kernels (kernels/) that read the token-level pool in place: no KV is gathered
+or copied. The default on CUDA; under `TRITON_INTERPRET=1` it also runs on CPU (tests).
+
+    store     kernels.kv_store: the step's new K/V into their slots, one launch for both
+    DECODE    kernels.decode_attention: flash-decoding (split-K over the sequence), GQA-grouped;
+              the grid depends only on the batch size, so a CUDA graph captures it
+    EXTEND    kernels.extend_attention: causal attention over cached prefix + new tokens, per request
+
+Nothing is planned per step: the kernels read the batch's device tensors directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch
+from kernels.extend_attention import extend_attention
+from kernels.kv_store import store_kv
+from services.scheduler.attention.base import AttentionBackend
+from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.memory import KVPool, ReqToTokenPool
+
+
+class TritonAttention(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, num_heads: int, head_dim: int) -> None:
+        super().__init__(kv, req_to_token, num_heads, head_dim)
+        rows = req_to_token.table.shape[0]  # at most one decode per row
+        self.scratch = decode_scratch(rows, num_heads, head_dim, DEFAULT_KV_SPLITS, kv.device)
+
+    def init_cuda_graph(self, max_bs: int) -> None:
+        assert max_bs <= self.scratch[0].shape[0], "decode scratch smaller than the largest graph"
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        pass
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        k_buf, v_buf = self.kv.k[layer], self.kv.v[layer]
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        table = self.req_to_token.table
+        if fb.mode is ForwardMode.DECODE:
+            decode_attention(
+                q, k_buf, v_buf, out, table, fb.req_pool_indices, fb.seq_lens, self.scratch, self.scale
+            )
+        else:
+            extend_attention(
+                q, out, k_buf, v_buf, table, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
+                fb.extend_start_loc, fb.max_extend_len, self.scale,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,149 @@
+"""The Triton attention kernels against a float64 torch reference, on CPU through Triton's interpreter.
+
+Pools are random, each request's slots a random permutation (never contiguous), and slot 0 and every
+unused slot hold NaN: a kernel that lets an unread key reach the result fails loudly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 without CUDA
+
+
+from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
+from kernels.extend_attention import extend_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+def make_pool(seq_lens, num_kv_heads, head_dim, dtype, gen):
+    """k_buf, v_buf with NaN wherever no request reads; req_to_token rows in shuffled order."""
+    total = sum(seq_lens)
+    num_slots = total + 7
+    k_buf = torch.full((num_slots + 1, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_buf = k_buf.clone()
+    slots = torch.randperm(num_slots, generator=gen)[:total] + 1
+    k_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf[slots] = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    rows = torch.randperm(len(seq_lens) + 2, generator=gen)[: len(seq_lens)]
+    table = torch.zeros((len(seq_lens) + 2, max(seq_lens) + 5), dtype=torch.int64)
+    for row, own in zip(rows.tolist(), torch.split(slots, list(seq_lens)), strict=True):
+        table[row, : own.numel()] = own
+    return k_buf.to(DEVICE), v_buf.to(DEVICE), table.to(DEVICE), rows.to(DEVICE)
+
+
+def reference(q, k_buf, v_buf, table, rows, prefix_lens, extend_lens, scale):
+    """float64 attention: request i's tokens (flat, in order) at positions prefix_i.. over its keys."""
+    group = q.shape[1] // k_buf.shape[1]
+    out, start = [], 0
+    for row, prefix, ext in zip(rows.tolist(), prefix_lens, extend_lens, strict=True):
+        idx = table[row, : prefix + ext]
+        k = k_buf[idx].double().repeat_interleave(group, 1).transpose(0, 1)  # [H, S, D]
+        v = v_buf[idx].double().repeat_interleave(group, 1).transpose(0, 1)
+        qi = q[start : start + ext].double().transpose(0, 1)  # [H, ext, D]
+        scores = qi @ k.transpose(1, 2) * scale
+        pos = torch.arange(prefix, prefix + ext, device=q.device)
+        visible = torch.arange(prefix + ext, device=q.device) <= pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append((scores.softmax(-1) @ v).transpose(0, 1))
+        start += ext
+    return torch.cat(out)
+
+
+def rel_err(out, ref):
+    assert not out.isnan().any(), "some output elements were never written"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def run_decode(seq_lens, num_heads, num_kv_heads, head_dim, dtype, num_splits=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k_buf, v_buf, table, rows = make_pool(seq_lens, num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scratch = decode_scratch(len(seq_lens) + 3, num_heads, head_dim, num_splits, DEVICE)
+    scale = head_dim**-0.5
+    decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, scale)
+    ref = reference(q, k_buf, v_buf, table, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim):
+    # 1 key, one partial 16-key tile, several tiles per split, and a length that is no tile multiple
+    out, ref = run_decode([1, 9, 70, 133, 16], num_heads, num_kv_heads, head_dim, torch.float32)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_decode_bf16():
+    out, ref = run_decode([1, 40, 97], 9, 3, 64, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_decode_more_splits_than_blocks():
+    # 16 splits of whole 16-key tiles: most splits of these short requests are empty
+    out, ref = run_decode([1, 3, 17, 40], 4, 1, 64, torch.float32, num_splits=16)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_decode_empty_row_is_zero_and_harmless():
+    gen = torch.Generator().manual_seed(1)
+    k_buf, v_buf, table, rows = make_pool([20, 20], 2, 64, torch.float32, gen)
+    q = torch.randn(2, 4, 64, generator=gen).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    lens = torch.tensor([0, 20], device=DEVICE)  # int64 lengths work as well as int32
+    decode_attention(q, k_buf, v_buf, out, table, rows, lens, decode_scratch(2, 4, 64, 4, DEVICE), 0.125)
+    ref = reference(q[1:], k_buf, v_buf, table, rows[1:], [19], [1], 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert rel_err(out[1:], ref) < TOL[torch.float32]
+
+
+def test_decode_reads_strided_q_and_writes_strided_out():
+    # q as the caller often has it: a view into a fused qkv projection
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = [5, 33]
+    k_buf, v_buf, table, rows = make_pool(seq_lens, 2, 64, torch.float32, gen)
+    qkv = torch.randn(2, 8, 64, generator=gen).to(DEVICE)
+    q, out = qkv[:, :6], torch.full((2, 6, 128), float("nan"), device=DEVICE)[..., :64]
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    decode_attention(q, k_buf, v_buf, out, table, rows, lens, decode_scratch(2, 6, 64, 4, DEVICE), 0.125)
+    assert rel_err(out, reference(q, k_buf, v_buf, table, rows, [4, 32], [1, 1], 0.125)) < 1e-4
+
+
+def run_extend(prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    k_buf, v_buf, table, rows = make_pool(seq_lens, num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ext = torch.tensor(extend_lens, device=DEVICE)
+    starts = torch.cumsum(ext, 0) - ext
+    prefix = torch.tensor(prefix_lens, device=DEVICE)
+    scale = head_dim**-0.5
+    extend_attention(q, out, k_buf, v_buf, table, rows, prefix, ext, starts, max(extend_lens), scale)
+    return out, reference(q, k_buf, v_buf, table, rows, prefix_lens, extend_lens, scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
+def test_extend_matches_reference(num_heads, num_kv_heads, head_dim):
+    # a plain prefill over several q blocks, prefix hits (tile-aligned and not), a single new token
+    out, ref = run_extend([0, 23, 0, 32], [37, 5, 1, 18], num_heads, num_kv_heads, head_dim, torch.float32)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_extend_bf16():
+    out, ref = run_extend([0, 45], [40, 20], 9, 3, 64, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_extend_skips_requests_with_no_new_tokens():
+    # a request with no new tokens has no rows in q; the others' rows still come out right
+    out, ref = run_extend([3, 10, 0], [4, 0, 9], 4, 2, 64, torch.float32)
+    assert rel_err(out, ref) < TOL[torch.float32]
