@@ -37,8 +37,11 @@ _GPU_MAX_RUNNING = 4096
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -101,9 +104,16 @@ class ModelRunner:
         per_token = self.model_config.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used_elsewhere = total - free
-            budget = total * (config.mem_fraction_static or _GPU_MEM_FRACTION) - used_elsewhere
-            return max(int(budget // per_token), 16)
+            fraction = config.mem_fraction_static or _GPU_MEM_FRACTION
+            tokens = int((total * fraction - (total - free)) // per_token)
+            if tokens < self.context_len + 1:  # not even one full-length request: say so, do not limp on
+                gib = 2**30
+                raise RuntimeError(
+                    f"no room for the KV pool on {self.device}: {free / gib:.1f} of {total / gib:.1f} GiB free "
+                    f"after the weights, mem_fraction_static {fraction} leaves {max(tokens, 0)} tokens; "
+                    "raise mem_fraction_static, free the GPU, or set max_total_tokens"
+                )
+            return tokens
         budget = psutil.virtual_memory().available * (config.mem_fraction_static or _CPU_KV_FRACTION)
         return max(min(int(budget // per_token), _CPU_MAX_DEFAULT_TOKENS), 16)
 

@@ -170,6 +170,12 @@ class Scheduler:
                 break
             self._retract(self.running[-1])
         batch: list[Req] = []
+        if need <= self.kv.free_count - self._promised:  # the usual case: promise the slots at once
+            self._promised += need
+            for r, n in plan:
+                r.extend_len = n
+            batch = [r for r, n in plan if n]
+            plan = []
         for r, n in plan:
             if n and self._extend(r, n):
                 batch.append(r)
@@ -185,10 +191,13 @@ class Scheduler:
         """Tokens each running request computes this step, and the prefill budget left for new ones."""
         plan = []
         for r in self.running:
-            n = 1 if r.remaining == 1 else min(r.remaining, budget)
-            if r.remaining > 1:
+            left = len(r.prompt) + len(r.output) - r.num_computed
+            if left == 1:
+                plan.append((r, 1))
+            else:
+                n = min(left, budget)
                 budget -= n
-            plan.append((r, n))
+                plan.append((r, n))
         return plan, budget
 
     def _admit(self, budget: int) -> list[Req]:
@@ -284,8 +293,9 @@ class Scheduler:
             rows.append(r.row)
             prefix_lens.append(c)
             extend_lens.append(n)
+            p = len(r.prompt)
             if n == 1:
-                ids.append(r.prompt[c] if c < len(r.prompt) else r.output[c - len(r.prompt)])
+                ids.append(r.prompt[c] if c < p else r.output[c - p])
             else:
                 ids.extend(r.fill[c : c + n])
             if r.lp_pos < r.lp_end:  # the cache match stopped at lp_pos, so c <= lp_pos
@@ -294,7 +304,7 @@ class Scheduler:
                     lp_idx.extend(range(start + a - c, start + b - c))
                     lp_reqs.append((r, b - a))
             start += n
-            if c + n == r.fill_len and r.remaining_output > 0:
+            if c + n == p + len(r.output) and r.max_new_tokens > len(r.output):
                 samplers.append(r)
                 logits_idx.append(start - 1)
         loc = self.kv.alloc(self._promised)
@@ -323,8 +333,8 @@ class Scheduler:
             self.output.emit(r, [tok])
             generated += 1
         self.stats["generated_tokens"] += generated
-        for r in batch:
-            if r.finish is None and r.remaining == 0 and r.remaining_output <= 0:  # max_new_tokens == 0
+        for r in batch:  # max_new_tokens == 0: finished once the prompt is in
+            if r.finish is None and len(r.output) >= r.max_new_tokens and r.remaining == 0:
                 r.finish = {"type": "length", "length": len(r.output)}
                 self.output.emit(r, [])
         for r in prefilled:

@@ -1,5 +1,6 @@
 """The engine on CUDA with the default model (skipped without a GPU). The rest of the engine suite
-runs on the GPU too with `SGLBUS_DEVICE=cuda SGLBUS_DTYPE=float32 pytest tests/engine` (parity with
+runs on the GPU too with `SGLBUS_DEVICE=cuda SGLBUS_DTYPE=float32 SGLBUS_MAX_TOTAL_TOKENS=65536 pytest
+tests/engine` (a fixed pool: each test module keeps several engines alive at once; parity with
 HF, penalties, logprobs, n > 1, seeds, stop strings, chunked prefill, retraction, faults).
 
 Checked here: the triton backend (CUDA graphs on) gives the torch backend's greedy tokens in fp32;
@@ -27,7 +28,8 @@ BF16_LOGPROB_TOL = 0.35
 
 
 def greedy(make_engine, prompts=PROMPTS, **options):
-    engine = make_engine(device="cuda", **options)
+    # several engines live in one process here: a fixed pool each, not a share of the free memory
+    engine = make_engine(device="cuda", max_total_tokens=65536, **options)
     return engine.generate(prompts, [GREEDY] * len(prompts), return_logprob=True)
 
 

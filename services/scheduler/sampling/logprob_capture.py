@@ -44,6 +44,8 @@ class LogprobCapture(LogitsProcessor):
 
     @torch.inference_mode()
     def on_sample(self, reqs: Sequence[Req], tokens: torch.Tensor) -> None:
+        if not self._raw:
+            return
         picked = [(j, r) for j, r in enumerate(reqs) if r.uid in self._raw]
         if not picked:
             return
