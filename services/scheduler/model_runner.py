@@ -109,8 +109,8 @@ class ModelRunner:
             if tokens < self.context_len + 1:  # not even one full-length request: say so, do not limp on
                 gib = 2**30
                 raise RuntimeError(
-                    f"no room for the KV pool on {self.device}: {free / gib:.1f} of {total / gib:.1f} GiB free "
-                    f"after the weights, mem_fraction_static {fraction} leaves {max(tokens, 0)} tokens; "
+                    f"no room for the KV pool on {self.device}: {free / gib:.1f} of {total / gib:.1f} GiB "
+                    f"free after the weights, mem_fraction_static {fraction} leaves {max(tokens, 0)} tokens; "
                     "raise mem_fraction_static, free the GPU, or set max_total_tokens"
                 )
             return tokens
