@@ -28,19 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dot_operands import dot_operands
+
 # S, the number of key splits per request: enough programs to fill an H200's 132 SMs at batch 1-32
 DEFAULT_KV_SPLITS = 16
 
 _LOG2E = 1.4426950408889634
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
-    """tl.dot's operand dtype and input precision: the KV dtype on the GPU (fp32 as IEEE, not TF32);
-    float32 under the interpreter, whose dot multiplies bf16 bit patterns as integers."""
-    if device.type == "cpu" or dtype == torch.float32:
-        return tl.float32, "ieee"
-    return _TL_DTYPES[dtype], "tf32"
 
 
 @cache
@@ -191,7 +184,7 @@ def decode_attention(
     # GPU: 64-key tiles, 4 warps, 3 stages (best of 32/64/128 keys and 2/3 stages on an H200);
     # the interpreter: 16-key tiles, so short test sequences span several
     block_n = 16 if q.device.type == "cpu" else 64
-    dot_dtype, precision = _dot_operands(k_buf.dtype, q.device)
+    dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, sm_scale * _LOG2E,
         *q.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),

@@ -22,16 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dot_operands import dot_operands
+
 _LOG2E = 1.4426950408889634
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
-    """tl.dot's operand dtype and input precision: the KV dtype on the GPU (fp32 as IEEE, not TF32);
-    float32 under the interpreter, whose dot multiplies bf16 bit patterns as integers."""
-    if device.type == "cpu" or dtype == torch.float32:
-        return tl.float32, "ieee"
-    return _TL_DTYPES[dtype], "tf32"
 
 
 @triton.jit
@@ -138,7 +131,7 @@ def extend_attention(
         return
     block_d = triton.next_power_of_2(head_dim)
     block_m, block_n, num_warps, num_stages = _blocks(q.device)
-    dot_dtype, precision = _dot_operands(k_buf.dtype, q.device)
+    dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
     _extend_kernel[(batch, triton.cdiv(max_extend_len, block_m), num_heads)](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
         sm_scale * _LOG2E,

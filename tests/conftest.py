@@ -76,3 +76,15 @@ def make_engine():
             engine.check_integrity()
         finally:
             engine.shutdown()
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors, so outputs the kernels allocate start poisoned."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)

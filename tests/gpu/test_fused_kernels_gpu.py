@@ -6,69 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("triton")
+
+from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel_err, rope_tables  # noqa: E402
 
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels.rope import apply_rope  # noqa: E402
 
-HIDDEN, INTER, HEADS, KV_HEADS, DIM, EPS = 4096, 14336, 32, 8, 128, 1e-5
+HIDDEN, INTER, HEADS, KV_HEADS, DIM = 4096, 14336, 32, 8, 128
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 FLIPS = 1e-3  # elements allowed to round the other way (fp32 ulp-level differences)
 DTYPES = list(TOL)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest absolute difference over the largest reference magnitude."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert not out.isnan().any(), "an output element was not written"
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def mismatch(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The fraction of elements that differ at all (rounding flips from fp32 ulp-level differences)."""
-    return (out != ref).float().mean().item()
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled float tensors, so outputs the kernels allocate start poisoned."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-def ref_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
-    return weight * x32.to(x.dtype)
-
-
-def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    c = cos[positions].unsqueeze(1).to(x.dtype)
-    s = sin[positions].unsqueeze(1).to(x.dtype)
-    half = x.shape[-1] // 2
-    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-
-
-def rope_tables(max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, DIM, 2).float() / DIM)
-    freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1).cuda()
-    return emb.cos(), emb.sin()
 
 
 def qkv_views(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -104,7 +56,7 @@ def test_silu_and_mul(nan_empty, tokens, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 4096])
 def test_apply_rope(tokens, dtype):
-    cos, sin = rope_tables(8192)
+    cos, sin = rope_tables(DIM, 8192, "cuda")
     q, k, v = qkv_views(tokens, dtype)
     positions = torch.randint(1, 8192, (tokens,), device="cuda")
     ref_q, ref_k, v_before = ref_rope(q, cos, sin, positions), ref_rope(k, cos, sin, positions), v.clone()
@@ -132,7 +84,7 @@ def test_store_kv(tokens, dtype):
 
 def test_cuda_graph_replay():
     tokens, dtype = 64, torch.bfloat16
-    cos, sin = rope_tables(8192)
+    cos, sin = rope_tables(DIM, 8192, "cuda")
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=dtype)
     residual = torch.randn_like(x)
     weight = torch.randn(HIDDEN, device="cuda", dtype=dtype)

@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 without CUDA
 
-import torch.nn.functional as F  # noqa: E402
+
+from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel_err, rope_tables  # noqa: E402
 
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
@@ -22,57 +23,6 @@ from kernels.rope import apply_rope  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 FLIPS = 1e-3  # bf16 elements allowed to round the other way (fp32 ulp-level differences)
-EPS = 1e-5
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest absolute difference over the largest reference magnitude."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert not out.isnan().any(), "an output element was not written"
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def mismatch(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The fraction of elements that differ at all (rounding flips from fp32 ulp-level differences)."""
-    return (out != ref).float().mean().item()
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled float tensors, so outputs the kernels allocate start poisoned."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-def ref_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
-    return weight * x32.to(x.dtype)
-
-
-def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    c = cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
-    s = sin[positions].unsqueeze(1).to(x.dtype)
-    half = x.shape[-1] // 2
-    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-
-
-def rope_tables(dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_positions, dim] fp32, as models/llama.py's Rotary builds them (Llama-3's theta)."""
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2).float() / dim)
-    freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE)
-    return emb.cos(), emb.sin()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -132,7 +82,7 @@ def fused_qkv(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dty
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 def test_apply_rope(tokens, dim, dtype, fused):
-    cos, sin = rope_tables(dim, 4096)
+    cos, sin = rope_tables(dim, 4096, DEVICE)
     q, k, v = fused_qkv(tokens, 6, 2, dim, dtype, fused)
     positions = torch.randint(1, 4096, (tokens,), device=DEVICE)
     ref_q, ref_k = ref_rope(q, cos, sin, positions), ref_rope(k, cos, sin, positions)
