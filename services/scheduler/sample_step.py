@@ -5,7 +5,7 @@ The logits go through the logits processors (sampling/processors.py) in order, t
 draws, then each processor sees the drawn tokens:
 
     LogprobCapture          the raw distribution, for output logprobs (first: before anything changes it)
-    PenaltyProcessor        frequency / presence / repetition penalties
+    PenaltyProcessor        frequency / presence / repetition penalties (DensePenaltyProcessor on a GPU)
     LogitBiasProcessor      logit_bias
     MinNewTokensProcessor   EOS and stop ids masked until min_new_tokens
 
@@ -26,6 +26,7 @@ import torch
 from services.scheduler.logprobs import input_rows
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import Req
+from services.scheduler.sampling.dense_penalties import DensePenaltyProcessor
 from services.scheduler.sampling.logit_bias import LogitBiasProcessor
 from services.scheduler.sampling.logprob_capture import LogprobCapture
 from services.scheduler.sampling.min_new_tokens import MinNewTokensProcessor
@@ -43,7 +44,8 @@ class SampleStep:
         self.runner, self.stats = runner, stats
         self.vocab_size = vocab = runner.model_config.vocab_size
         dev = runner.device
-        self.penalties = PenaltyProcessor(rows, vocab, dev)
+        # dense per-row state on a GPU (no per-request Python in a step); sparse pairs on a CPU
+        self.penalties = (DensePenaltyProcessor if dev.type == "cuda" else PenaltyProcessor)(rows, vocab, dev)
         self.processors: list[LogitsProcessor] = [
             LogprobCapture(),
             self.penalties,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.scheduler.request import Req
+from services.scheduler.sampling.dense_penalties import DensePenaltyProcessor
 from services.scheduler.sampling.logit_bias import MAX_BIAS, LogitBiasProcessor
 from services.scheduler.sampling.min_new_tokens import MinNewTokensProcessor
 from services.scheduler.sampling.penalties import PenaltyProcessor
@@ -25,16 +26,21 @@ def make_req(rid: str, row: int, prompt: list[int], output: list[int], **params)
     return r
 
 
-class Penalizer:
-    """The three logits processors that change logits, in SampleStep's order."""
+IMPLS = [PenaltyProcessor, DensePenaltyProcessor]
 
-    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        self.penalties = PenaltyProcessor(rows, vocab, device)
+
+class Penalizer:
+    """The three logits processors that change logits, in SampleStep's order (penalties: `impl`)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device, impl: type = PenaltyProcessor) -> None:
+        self.penalties = impl(rows, vocab, device)
         self.procs = [self.penalties, LogitBiasProcessor(device), MinNewTokensProcessor(device)]
 
     @property
-    def out_counts(self):
-        return self.penalties.out_counts
+    def state(self):
+        """The penalty state tensor, None until a request used a penalty."""
+        p = self.penalties
+        return p.out_counts if isinstance(p, PenaltyProcessor) else p.counts
 
     def on_admit(self, r: Req) -> None:
         for p in self.procs:
@@ -69,7 +75,8 @@ def reference(logits: torch.Tensor, r: Req) -> torch.Tensor:
     return out
 
 
-def test_mixed_batch_matches_the_reference_over_several_steps():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mixed_batch_matches_the_reference_over_several_steps(impl):
     rng = random.Random(0)
     reqs = [
         make_req("plain", 0, [1, 5, 7], []),
@@ -90,7 +97,7 @@ def test_mixed_batch_matches_the_reference_over_several_steps():
         ),  # fmt: skip
         make_req("bias", 5, [1], [], logit_bias={"0": 2.5}),
     ]
-    pen = Penalizer(8, V, torch.device("cpu"))
+    pen = Penalizer(8, V, torch.device("cpu"), impl)
     for r in reqs:
         pen.on_admit(r)
     for _ in range(6):
@@ -105,9 +112,10 @@ def test_mixed_batch_matches_the_reference_over_several_steps():
             r.output.append(t)
 
 
-def test_readmission_rebuilds_counts_from_the_output_so_far():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_readmission_rebuilds_counts_from_the_output_so_far(impl):
     r = make_req("r", 2, [4, 5], [6, 6, 8], frequency_penalty=1.0, repetition_penalty=2.0)
-    pen = Penalizer(4, V, torch.device("cpu"))
+    pen = Penalizer(4, V, torch.device("cpu"), impl)
     pen.on_admit(r)  # e.g. after a retraction: the row is new, the output is not
     logits = torch.randn(1, V)
     got = logits.clone()
@@ -127,23 +135,25 @@ def test_min_new_tokens_mask_lifts_once_reached():
         r.output.append(30)
 
 
-def test_requests_without_penalties_cost_nothing():
-    pen = Penalizer(2, V, torch.device("cpu"))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_requests_without_penalties_cost_nothing(impl):
+    pen = Penalizer(2, V, torch.device("cpu"), impl)
     r = make_req("p", 0, [1], [])
     pen.on_admit(r)
     logits = torch.randn(1, V)
     got = logits.clone()
     pen.apply(got, [r])
-    assert torch.equal(got, logits) and pen.out_counts is None
+    assert torch.equal(got, logits) and pen.state is None
 
 
-def test_batch_changes_rebuild_the_touched_pairs():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_batch_changes_rebuild_the_touched_pairs(impl):
     """A request leaves and another joins between steps: the pairs come back from each row's seen set."""
     rng = random.Random(1)
     a = make_req("a", 0, [1, 2, 3], [], frequency_penalty=0.9, repetition_penalty=1.3)
     b = make_req("b", 1, [4, 5], [], presence_penalty=0.8)
     c = make_req("c", 2, [6], [], repetition_penalty=0.7)
-    pen = Penalizer(4, V, torch.device("cpu"))
+    pen = Penalizer(4, V, torch.device("cpu"), impl)
     for r in (a, b, c):
         pen.on_admit(r)
     for batch in ([a, b], [a, b], [b, c, a], [c, a], [a]):

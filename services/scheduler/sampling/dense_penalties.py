@@ -1,0 +1,104 @@
+"""Frequency, presence and repetition penalties on dense per-row state: the GPU path.
+
+    counts[row, token]        how often `token` appeared in the output of the request in that
+                              req_to_token row (int32)
+    prompt_seen[row, token]   whether it is in that request's prompt (only for repetition_penalty)
+
+A step gathers the rows of the requests that use a penalty, applies all three in a few [U, vocab]
+passes and scatters them back; the drawn tokens are counted with one `index_put_` on the device.
+No per-request Python and no host sync in the step, whatever the batch: at 2,000 penalised requests
+and a 128k vocabulary that is a few GB of device traffic, about a millisecond on an H200. On a CPU the
+same passes cost far more than the sparse pairs of `PenaltyProcessor` (penalties.py), which the CPU
+uses; both follow the same definitions (SGLang's and OpenAI's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.scheduler.request import Req
+from services.scheduler.sampling.penalties import uses_counts
+from services.scheduler.sampling.processors import BatchPlan, LogitsProcessor
+
+
+@dataclass
+class _Plan:
+    idx: torch.Tensor  # [U] batch indices of the requests that use a penalty
+    rows: torch.Tensor  # [U] their req_to_token rows
+    freq: torch.Tensor  # [U, 1]
+    pres: torch.Tensor  # [U, 1]
+    rep: torch.Tensor | None  # [U, 1], None when no request of the batch sets repetition_penalty
+
+
+class DensePenaltyProcessor(LogitsProcessor):
+    name = "penalties"
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        super().__init__()
+        self.rows, self.vocab_size, self.device = rows, vocab_size, device
+        self.counts: torch.Tensor | None = None
+        self.prompt_seen: torch.Tensor | None = None
+        self._plan = BatchPlan(self._build)
+
+    def uses(self, req: Req) -> bool:
+        return uses_counts(req)
+
+    @torch.inference_mode()
+    def admit(self, req: Req) -> None:
+        """Rebuild the request's rows (its output is non-empty after a retraction)."""
+        if not uses_counts(req):
+            return
+        if self.counts is None:
+            shape = (self.rows, self.vocab_size)
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        row = req.row
+        self.counts[row].zero_()
+        if req.output:
+            out = torch.tensor(req.output, dtype=torch.int64, device=self.device)
+            self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        self.prompt_seen[row].zero_()
+        if req.sampling.repetition_penalty != 1.0:
+            self.prompt_seen[row, torch.tensor(req.prompt, dtype=torch.int64, device=self.device)] = True
+        super().admit(req)
+
+    @torch.inference_mode()
+    def apply(self, logits: torch.Tensor, reqs: Sequence[Req], output_lens: torch.Tensor) -> None:
+        plan = self._plan.get(reqs) if self.active else None
+        if plan is None:
+            return
+        counts = self.counts[plan.rows]
+        rows = logits[plan.idx] - plan.freq * counts - plan.pres * (counts > 0)
+        if plan.rep is not None:
+            seen = (counts > 0) | self.prompt_seen[plan.rows]
+            rows = torch.where(seen, torch.where(rows > 0, rows / plan.rep, rows * plan.rep), rows)
+        logits[plan.idx] = rows
+
+    @torch.inference_mode()
+    def on_sample(self, reqs: Sequence[Req], tokens: torch.Tensor) -> None:
+        plan = self._plan.get(reqs) if self.active else None
+        if plan is None:
+            return
+        ones = torch.ones(plan.rows.numel(), dtype=torch.int32, device=self.device)
+        self.counts.index_put_((plan.rows, tokens[plan.idx]), ones, accumulate=True)
+
+    def _build(self, reqs: Sequence[Req]) -> _Plan | None:
+        used = [(i, r) for i, r in enumerate(reqs) if uses_counts(r)]
+        if not used:
+            return None
+        dev = self.device
+
+        def col(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev).unsqueeze(1)
+
+        reps = [r.sampling.repetition_penalty for _, r in used]
+        return _Plan(
+            idx=torch.tensor([i for i, _ in used], device=dev),
+            rows=torch.tensor([r.row for _, r in used], device=dev),
+            freq=col([r.sampling.frequency_penalty for _, r in used]),
+            pres=col([r.sampling.presence_penalty for _, r in used]),
+            rep=col(reps) if any(x != 1.0 for x in reps) else None,
+        )
