@@ -69,6 +69,9 @@ class EngineConfig:
     )
     cuda_graph_max_bs: int = option(512, "largest decode batch replayed from a CUDA graph (GPU only)")
     disable_cuda_graph: bool = option(False, "run every decode step eagerly (GPU only; for comparison)")
+    disable_overlap_schedule: bool | None = option(
+        None, "prepare each step while the previous one runs on the GPU; unset: overlap on GPU, not on CPU"
+    )
     random_seed: int = option(0, "sampling seed")
     subject_prefix: str = option("sglbus", "NATS subject prefix (one per model deployment)")
     worker_id: str = option("0", "this scheduler's id; its detokenizer must have the same")

@@ -81,6 +81,10 @@ class ModelRunner:
         self.chunked_prefill_size = config.chunked_prefill_size or (
             8192 if self.device.type == "cuda" else 2048
         )
+        # overlap scheduling pays where the device runs asynchronously; on a CPU it would only delay
+        # each step's output by one step (disable_overlap_schedule=False forces it, as tests do)
+        disable = config.disable_overlap_schedule
+        self.overlap_schedule = self.device.type == "cuda" if disable is None else not disable
         self.kv = KVPool(mc, self.max_total_tokens, self.dtype, self.device)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 8, ctx + 1, self.device)
         self.attn: AttentionBackend = create_backend(
@@ -132,6 +136,9 @@ class ModelRunner:
         return self.model(fb, self.attn)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, info: SamplingInfo, output_lens: torch.Tensor) -> torch.Tensor:
-        """output_lens [B, 1] int64 on the logits' device: each row's output index (keys seeded noise)."""
-        return sample(logits, info, output_lens)
+    def sample(
+        self, logits: torch.Tensor, info: SamplingInfo, output_lens: torch.Tensor, check: bool = True
+    ) -> torch.Tensor:
+        """output_lens [B, 1] int64 on the logits' device: each row's output index (keys seeded noise);
+        check: see sampler.sample."""
+        return sample(logits, info, output_lens, check)

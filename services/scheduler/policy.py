@@ -9,7 +9,9 @@ Requests that waited longer than `max_wait` seconds go first whatever the policy
 policy cannot starve them.
 
 `InBatchPrefixCheck` holds back a request whose prompt shares a long uncached prefix with one admitted
-earlier in the same step: that one computes the prefix, the held-back one hits it a step later.
+earlier in the same step: that one computes the prefix, the held-back one hits it a step later. Under
+overlap scheduling the previous step's check holds back too: its prefills are still in flight, not
+yet in the cache.
 """
 
 from __future__ import annotations
@@ -81,10 +83,16 @@ class InBatchPrefixCheck:
         self._seen = RadixCache(free_slots=lambda _: None)
 
     def hold_back(self, req: Req, cached_len: int) -> bool:
+        """True: wait for a request admitted earlier in this step; else `req` is recorded as admitted."""
+        if self.covers(req, cached_len):
+            return True
+        if cached_len <= IN_BATCH_CHECK_MAX_CACHED:
+            key = match_key(req)
+            self._seen.insert(key, torch.zeros(len(key), dtype=torch.int64))
+        return False
+
+    def covers(self, req: Req, cached_len: int) -> bool:
+        """Whether a request admitted in this step computes a long uncached prefix of `req`."""
         if cached_len > IN_BATCH_CHECK_MAX_CACHED:
             return False
-        key = match_key(req)
-        if len(self._seen.match_prefix(key).indices) > IN_BATCH_HOLD_THRESHOLD:
-            return True
-        self._seen.insert(key, torch.zeros(len(key), dtype=torch.int64))
-        return False
+        return len(self._seen.match_prefix(match_key(req)).indices) > IN_BATCH_HOLD_THRESHOLD

@@ -7,8 +7,9 @@
 
 A request's slots are always in exactly one place (memory.py); these two methods are where they move:
 
-    cache_unfinished(req)   after a prefill chunk: share what it computed so far (radix: insert, point
-                            the request's row at the cached copies and move its lock down the tree)
+    cache_unfinished(req, n)  after a prefill chunk: share its first n computed tokens (radix: insert,
+                            point the request's row at the cached copies, move its lock down the tree);
+                            n, not num_computed: under overlap scheduling its next chunk may be in flight
     cache_finished(req)     the request is done or retracted: hand its KV over (radix: insert, free our
                             duplicates, unlock) or free it (none), and give back its req_to_token row
 """
@@ -41,7 +42,7 @@ class PrefixCache(ABC):
     def dec_lock_ref(self, node: TreeNode) -> None: ...
 
     @abstractmethod
-    def cache_unfinished(self, req: Req) -> None: ...
+    def cache_unfinished(self, req: Req, n: int) -> None: ...
 
     @abstractmethod
     def cache_finished(self, req: Req) -> None: ...
@@ -74,8 +75,8 @@ class RadixPrefixCache(RadixCache, PrefixCache):
         PrefixCache.__init__(self, kv, req_to_token)
         RadixCache.__init__(self, kv.free, device=kv.device)
 
-    def cache_unfinished(self, req: Req) -> None:
-        table, n = self.req_to_token.table, req.num_computed
+    def cache_unfinished(self, req: Req, n: int) -> None:
+        table = self.req_to_token.table
         key, slots = req.fill[:n], table[req.row, :n].clone()
         prefix = self.insert(key, slots)
         self.kv.free(slots[req.num_cached : prefix])  # our duplicates of what another request cached
@@ -113,7 +114,7 @@ class NoPrefixCache(PrefixCache):
     def dec_lock_ref(self, node: TreeNode) -> None:
         pass
 
-    def cache_unfinished(self, req: Req) -> None:
+    def cache_unfinished(self, req: Req, n: int) -> None:
         pass
 
     def cache_finished(self, req: Req) -> None:

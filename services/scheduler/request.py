@@ -1,6 +1,6 @@
 """A request inside the scheduler: one state model driven by token counters, no phase flags.
 
-    fill = prompt + output            tokens whose KV the model must have before the next sample
+    fill = prompt + output (+ pending)  tokens whose KV the model must have before the next sample
     |<-- num_cached -->|                  slots owned by the radix cache (locked via last_node)
     |<------- num_computed ------->|      slots with KV in the pool (row of req_to_token)
     |<------------------ len(fill) ------------------>|
@@ -30,7 +30,7 @@ class Req:
         "uid", "rid", "prompt", "output", "sampling", "max_new_tokens", "out_subject", "created",
         "arrival", "stop_ids", "num_cached", "num_computed", "last_node", "row", "cached_tokens",
         "finish", "announced", "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
-        "work_token", "attempt",
+        "work_token", "attempt", "pending", "pending_at",
     )  # fmt: skip
 
     def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...], context_len: int = 1 << 62) -> None:
@@ -60,6 +60,10 @@ class Req:
         self.work_token = ""
         self.attempt = 1
         self.extend_len = 0  # tokens scheduled in the current step
+        # overlap scheduling: 1 while the token this request sampled in the step in flight is still on
+        # the device (it counts in fill_len: the next step decodes it); pending_at: its row there
+        self.pending = 0
+        self.pending_at = -1
         # logprobs (see logprobs.py): logits positions lp_pos .. lp_end-1 still owe a prompt logprob;
         # computed rows wait in lp_in / lp_out until the request's next output
         self.lp = msg.logprob
@@ -72,11 +76,12 @@ class Req:
 
     @property
     def fill(self) -> list[int]:
+        """The known tokens (a pending one is not among them yet)."""
         return self.prompt + self.output if self.output else self.prompt
 
     @property
     def fill_len(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.output) + self.pending
 
     @property
     def remaining(self) -> int:
@@ -85,7 +90,7 @@ class Req:
 
     @property
     def remaining_output(self) -> int:
-        return self.max_new_tokens - len(self.output)
+        return self.max_new_tokens - len(self.output) - self.pending
 
     def check_finished(self, token: int, context_len: int) -> None:
         """Called after `token` was appended to `output`."""

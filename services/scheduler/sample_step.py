@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from services.scheduler.host_copy import to_device
 from services.scheduler.logprobs import input_rows
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import Req
@@ -37,6 +39,34 @@ from services.scheduler.sampling.sampler import SamplingInfo
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Drawn:
+    """A step's drawn ids on their way to the host: `ids` [B] on the device (-1: no usable logit),
+    `safe` the same with -1 read as 0 (what the next step may feed the model before finish())."""
+
+    samplers: list[Req]
+    ids: torch.Tensor
+    safe: torch.Tensor
+    lp_rows: list[tuple[Req, Any]]  # output-logprob rows of this draw (LogprobCapture.take)
+    _host: torch.Tensor
+    _ready: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, samplers: list[Req], ids: torch.Tensor, safe: torch.Tensor, lp_rows: list) -> Drawn:
+        if ids.device.type != "cuda":
+            return cls(samplers, ids, safe, lp_rows, ids, None)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(samplers, ids, safe, lp_rows, host, ready)
+
+    def host_ids(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
 class SampleStep:
     """The sampling stage of the scheduler's step; keeps the batch's SamplingInfo between steps."""
 
@@ -46,14 +76,14 @@ class SampleStep:
         dev = runner.device
         # dense per-row state on a GPU (no per-request Python in a step); sparse pairs on a CPU
         self.penalties = (DensePenaltyProcessor if dev.type == "cuda" else PenaltyProcessor)(rows, vocab, dev)
+        self.capture = LogprobCapture()
         self.processors: list[LogitsProcessor] = [
-            LogprobCapture(),
+            self.capture,
             self.penalties,
             LogitBiasProcessor(dev),
             MinNewTokensProcessor(dev),
         ]
         self._sampling: tuple[tuple[int, ...], SamplingInfo] | None = None
-        self.failures = 0  # requests ended by a failure of their own in the current step
 
     def admit(self, req: Req) -> None:
         """A request got a row; raises when a processor cannot hold its state (the caller ends it)."""
@@ -80,11 +110,14 @@ class SampleStep:
                 self.fail(r, "prompt logprobs", e)
             row += m
 
-    def sample(self, logits: torch.Tensor, samplers: list[Req]) -> list[int | None]:
-        """A token per sampler; None for a request that failed alone in this step (it is ended). A
-        batched stage that raises is retried request by request (`_one_by_one`)."""
+    def launch(self, logits: torch.Tensor, samplers: list[Req], sync: bool = True) -> Drawn:
+        """Processors, draw, processors' on_sample; the ids start their way to the host. With
+        sync=False nothing here waits for the GPU (unless a processor must: output logprobs, the CPU
+        penalties), so the caller can prepare the next step meanwhile. A batched stage that raises is
+        retried request by request (`_one_by_one`); a request whose own row fails is ended."""
         dev = logits.device
-        lens = torch.tensor([len(r.output) for r in samplers], dtype=torch.int64).unsqueeze(1).to(dev)
+        # each row's output index: a token still in flight (overlap scheduling) counts
+        lens = to_device([len(r.output) + r.pending for r in samplers], torch.int64, dev).unsqueeze(1)
         for p in self.processors:
             try:
                 p.apply(logits, samplers, lens)
@@ -95,43 +128,48 @@ class SampleStep:
                     lambda i, p=p: p.apply(logits[i : i + 1], samplers[i : i + 1], lens[i : i + 1]),
                 )
         try:
-            drawn = self._draw(logits, samplers, lens)
+            drawn = self._draw(logits, samplers, lens, sync)
         except Exception:
             rows = self._one_by_one(
                 "sampling",
                 samplers,
-                lambda i: self._draw(logits[i : i + 1], samplers[i : i + 1], lens[i : i + 1]),
+                lambda i: self._draw(logits[i : i + 1], samplers[i : i + 1], lens[i : i + 1], sync),
             )
             none = torch.tensor([-1], device=dev)
             drawn = torch.cat([none if t is None else t for t in rows])
-        tokens = drawn.tolist()
-        if min(tokens) < 0:  # the sampler found no usable logit in these rows (NaN or -inf everywhere)
-            for r, t in zip(samplers, tokens, strict=True):
-                if t < 0 and r.finish is None:
-                    self.fail(r, "sampling", ValueError("no finite logit in its row"))
-        alive, alive_drawn = samplers, drawn
-        if self.failures:
-            keep = [i for i, r in enumerate(samplers) if r.finish is None]
-            alive = [samplers[i] for i in keep]
-            alive_drawn = drawn[torch.tensor(keep, dtype=torch.int64, device=drawn.device)]
+        safe = drawn.clamp(min=0)  # a dead row (-1) is ended in finish(); meanwhile it reads token 0
+        alive = [i for i, r in enumerate(samplers) if r.finish is None]
         if alive:
+            live = samplers if len(alive) == len(samplers) else [samplers[i] for i in alive]
+            live_drawn = safe if len(alive) == len(samplers) else safe[to_device(alive, torch.int64, dev)]
             for p in self.processors:
                 try:
-                    p.on_sample(alive, alive_drawn)
+                    p.on_sample(live, live_drawn)
                 except Exception:  # on_sample writes nothing when it raises
                     self._one_by_one(
-                        p.name, alive, lambda j, p=p: p.on_sample(alive[j : j + 1], alive_drawn[j : j + 1])
+                        p.name, live, lambda j, p=p: p.on_sample(live[j : j + 1], live_drawn[j : j + 1])
                     )
-        if self.failures:
-            return [t if r.finish is None else None for r, t in zip(samplers, tokens, strict=True)]
+        return Drawn.start(samplers, drawn, safe, self.capture.take())
+
+    def finish(self, drawn: Drawn) -> list[int]:
+        """The drawn ids on the host (the step's one wait for the GPU); a request whose row had no
+        usable logit is ended here."""
+        tokens = drawn.host_ids()
+        if tokens and min(tokens) < 0:  # the sampler found no usable logit in these rows
+            for r, t in zip(drawn.samplers, tokens, strict=True):
+                if t < 0 and r.finish is None:
+                    self.fail(r, "sampling", ValueError("no finite logit in its row"))
+        for r, row in drawn.lp_rows:
+            if r.finish is None:
+                r.lp_out.append(row)
         return tokens
 
-    def _draw(self, logits: torch.Tensor, reqs: list[Req], lens: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, reqs: list[Req], lens: torch.Tensor, sync: bool) -> torch.Tensor:
         key = tuple(r.uid for r in reqs)
         if self._sampling is None or self._sampling[0] != key:  # rebuilt only when the batch changes
             info = SamplingInfo.build([r.sampling for r in reqs], self.vocab_size, logits.device)
             self._sampling = (key, info)
-        return self.runner.sample(logits, self._sampling[1], lens)
+        return self.runner.sample(logits, self._sampling[1], lens, check=sync)
 
     def _one_by_one(self, what: str, reqs: list[Req], one: Callable[[int], Any]) -> list[Any]:
         """After the batched `what` raised: run it for each request alone. A request whose own run
@@ -156,5 +194,9 @@ class SampleStep:
         message = f"internal error in {what} for this request: {type(e).__name__}: {e}"
         req.finish = {"type": "abort", "message": message, "status_code": 500}
         req.lp_in, req.lp_out = [], []
-        self.failures += 1
         self.stats["request_failures"] += 1
+
+
+def _row(i: int, logits: torch.Tensor, reqs: list[Req], lens: torch.Tensor) -> tuple:
+    """Request i's slice of a step, for a retry request by request."""
+    return logits[i : i + 1], reqs[i : i + 1], lens[i : i + 1]

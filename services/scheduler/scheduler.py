@@ -21,17 +21,19 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.host_copy import to_device
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.prefix_cache import make_prefix_cache
 from services.scheduler.request import Req, check_request
-from services.scheduler.sample_step import SampleStep
+from services.scheduler.sample_step import Drawn, SampleStep
 from services.scheduler.step_output import StepOutput
 from shared.config import EngineConfig
 from shared.messages import BatchTokenOut, GenerateReq
@@ -43,6 +45,17 @@ log = logging.getLogger(__name__)
 # after a retraction reserve this share of running requests' output budgets, decaying back per step
 _RETRACT_RATIO = 1.0
 _RATIO_DECAY = 0.002
+
+
+@dataclass
+class _Step:
+    """A launched step: its batch, the requests that draw a token, their drawn ids (on their way to
+    the host), and each prefilled request with its computed length after this step."""
+
+    batch: list[Req]
+    samplers: list[Req]
+    drawn: Drawn | None
+    prefilled: list[tuple[Req, int]]
 
 
 class Scheduler:
@@ -63,6 +76,11 @@ class Scheduler:
         # the step's batch is built; `_step_slots`: those of the step in flight, until it completes
         self._promised = 0
         self._step_slots: torch.Tensor | None = None
+        self.overlap = runner.overlap_schedule
+        self._inflight: _Step | None = None  # overlap scheduling: the launched step not yet completed
+        # the in-batch prefix checks of this step's admission and of the step in flight
+        self._step_check: InBatchPrefixCheck | None = None
+        self._last_check: InBatchPrefixCheck | None = None
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
         self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
@@ -134,24 +152,26 @@ class Scheduler:
     # -- the loop -----------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def step(self) -> BatchTokenOut | None:
-        """Run one step; returns this step's output for the detokenizer, or None if nothing happened."""
+        """Run one step; returns this step's output for the detokenizer, or None if nothing happened.
+
+        Overlap scheduling: the step launched here runs on the GPU while the previous one's ids come
+        back and are processed, so the host work of one step hides behind the device work of the
+        next. Without it, a step is launched and completed at once."""
         t0 = time.perf_counter()
-        self.sampling.failures = 0
         self._release_finished()
+        self._step_check = None
         batch = self._schedule()
-        if batch:
-            fb, samplers, lp_reqs = self._forward_batch(batch)
-            t1 = time.perf_counter()
-            out = self.runner.forward(fb)
-            if lp_reqs:
-                self.sampling.input_logprobs(out.lp_hidden, lp_reqs)
-            tokens = self.sampling.sample(out.logits, samplers) if samplers else []
-            self.stats["forward_s"] += time.perf_counter() - t1
-            self._process(batch, samplers, tokens)
-            self.stats["steps"] += 1
+        launched = self._launch(batch) if batch else None
+        self._last_check = self._step_check if launched is not None and self.overlap else None
+        if self.overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        if done is not None:
+            self._complete(done)
         self._release_finished()
         self.stats["step_s"] += time.perf_counter() - t0
         return self.take_output()
@@ -168,6 +188,9 @@ class Scheduler:
             need = sum(n for _, n in plan)
             if need <= self.kv.free_count + self.tree.evictable_size() or len(self.running) <= 1:
                 break
+            if self._inflight is not None:  # retract only what is fully known: finish the step in flight
+                self._flush()
+                continue
             self._retract(self.running[-1])
         batch: list[Req] = []
         if need <= self.kv.free_count - self._promised:  # the usual case: promise the slots at once
@@ -190,9 +213,13 @@ class Scheduler:
     def _plan_running(self, budget: int) -> tuple[list[tuple[Req, int]], int]:
         """Tokens each running request computes this step, and the prefill budget left for new ones."""
         plan = []
+        ctx = self.context_len
         for r in self.running:
-            left = len(r.prompt) + len(r.output) - r.num_computed
-            if left == 1:
+            known = len(r.prompt) + len(r.output)
+            left = known + r.pending - r.num_computed
+            if r.pending and (len(r.output) + 1 >= r.max_new_tokens or known + 1 >= ctx):
+                plan.append((r, 0))  # its token in flight ends it by length: nothing more to compute
+            elif left == 1:
                 plan.append((r, 1))
             else:
                 n = min(left, budget)
@@ -205,13 +232,16 @@ class Scheduler:
         failed: list[Req] = []
         reserve = sum(self._reserve(r) for r in self.running)
         check = InBatchPrefixCheck()
+        # under overlap the previous step's prefills are still in flight (not cached yet): wait for them too
+        in_flight = self._last_check if self._inflight is not None else None
+        self._step_check = check
         now = time.monotonic()
         for req in order_waiting(self.waiting, self.tree, self.cfg.schedule_policy, self.cfg.max_queue_wait):
             if budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_count == 0:
                 break
             match = self.tree.match_prefix(match_key(req))
             cached = len(match.indices)
-            if check.hold_back(req, cached):
+            if (in_flight is not None and in_flight.covers(req, cached)) or check.hold_back(req, cached):
                 continue
             self.tree.inc_lock_ref(match.last_node)
             n = min(req.fill_len - cached, budget)
@@ -287,6 +317,7 @@ class Scheduler:
         lp_idx: list[int] = []
         lp_reqs: list[tuple[Req, int]] = []  # requests owing prompt logprobs, positions this step
         rows, prefix_lens, extend_lens = [], [], []
+        from_flight: list[tuple[int, int]] = []  # (token index here, row of the step in flight)
         start = 0
         for r in batch:
             c, n = r.num_computed, r.extend_len
@@ -294,7 +325,10 @@ class Scheduler:
             prefix_lens.append(c)
             extend_lens.append(n)
             p = len(r.prompt)
-            if n == 1:
+            if r.pending:  # decodes the token the step in flight drew: filled in on the device below
+                from_flight.append((start, r.pending_at))
+                ids.append(0)
+            elif n == 1:
                 ids.append(r.prompt[c] if c < p else r.output[c - p])
             else:
                 ids.extend(r.fill[c : c + n])
@@ -304,7 +338,7 @@ class Scheduler:
                     lp_idx.extend(range(start + a - c, start + b - c))
                     lp_reqs.append((r, b - a))
             start += n
-            if c + n == p + len(r.output) and r.max_new_tokens > len(r.output):
+            if c + n == p + len(r.output) + r.pending and r.max_new_tokens > len(r.output) + r.pending:
                 samplers.append(r)
                 logits_idx.append(start - 1)
         loc = self.kv.alloc(self._promised)
@@ -316,31 +350,64 @@ class Scheduler:
         # the new tokens' slots into their rows of req_to_token, one scatter for the batch
         token_rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=start)
         self.req_to_token.table[token_rows, fb.positions] = loc
+        if from_flight:
+            assert self._inflight is not None and self._inflight.drawn is not None
+            dev = self.runner.device
+            dst = to_device([t for t, _ in from_flight], torch.int64, dev)
+            src = to_device([j for _, j in from_flight], torch.int64, dev)
+            fb.input_ids[dst] = self._inflight.drawn.safe[src]
         return fb, samplers, lp_reqs
 
-    def _process(self, batch: list[Req], samplers: list[Req], tokens: list[int | None]) -> None:
-        prefilled = [r for r in batch if r.extend_len > 1]
+    def _launch(self, batch: list[Req]) -> _Step:
+        """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not."""
+        fb, samplers, lp_reqs = self._forward_batch(batch)
+        t1 = time.perf_counter()
+        out = self.runner.forward(fb)
+        if lp_reqs:
+            self.sampling.input_logprobs(out.lp_hidden, lp_reqs)
+        drawn = self.sampling.launch(out.logits, samplers, sync=not self.overlap) if samplers else None
+        self.stats["forward_s"] += time.perf_counter() - t1
+        self.stats["steps"] += 1
+        # the step's KV is the requests' now: count it computed at launch, so the next step (under
+        # overlap, scheduled before this one completes) plans from here
+        prefilled = [(r, r.num_computed + r.extend_len) for r in batch if r.extend_len > 1]
         for r in batch:
             r.num_computed += r.extend_len
             r.extend_len = 0
+        for j, r in enumerate(samplers):
+            r.pending, r.pending_at = 1, j
         self._step_slots = None
+        return _Step(batch, samplers, drawn, prefilled)
+
+    def _flush(self) -> None:
+        """Complete the step in flight now (before a retraction, which needs every token known)."""
+        done, self._inflight = self._inflight, None
+        if done is not None:
+            self._complete(done)
+            self._release_finished()
+
+    def _complete(self, st: _Step) -> None:
+        """The step's ids are on the host: append them, check finishes, emit. A request that finished,
+        failed or was aborted since the launch drops its token."""
+        tokens = self.sampling.finish(st.drawn) if st.drawn is not None else []
         generated = 0
-        for r, tok in zip(samplers, tokens, strict=True):
-            if tok is None:  # failed in this step; _release_finished reports it
+        for r, tok in zip(st.samplers, tokens, strict=True):
+            r.pending = 0
+            if r.finish is not None:
                 continue
             r.output.append(tok)
             r.check_finished(tok, self.context_len)
             self.output.emit(r, [tok])
             generated += 1
         self.stats["generated_tokens"] += generated
-        for r in batch:  # max_new_tokens == 0: finished once the prompt is in
-            if r.finish is None and len(r.output) >= r.max_new_tokens and r.remaining == 0:
+        for r in st.batch:  # max_new_tokens == 0: finished once the prompt is in
+            if r.finish is None and not r.pending and len(r.output) >= r.max_new_tokens and r.remaining == 0:
                 r.finish = {"type": "length", "length": len(r.output)}
                 self.output.emit(r, [])
-        for r in prefilled:
+        for r, n in st.prefilled:
             if r.finish is None:
-                self.tree.cache_unfinished(r)  # share the prefix with requests that arrive meanwhile
-        if len(prefilled) < len(batch):
+                self.tree.cache_unfinished(r, n)  # share the prefix with requests that arrive meanwhile
+        if len(st.prefilled) < len(st.batch):
             self._log.decode_step(self, generated)
 
     def _release_finished(self) -> None:
@@ -349,6 +416,10 @@ class Scheduler:
                 if r.finish.get("type") == "abort":
                     self.output.emit(r, [])
                 self.sampling.release(r)
+                known = len(r.prompt) + len(r.output)
+                if r.num_computed > known:  # KV for a token it drops (in flight when it ended): free it
+                    self.kv.free(self.req_to_token.table[r.row, known : r.num_computed].clone())
+                    r.num_computed = known
                 self.tree.cache_finished(r)
                 self.running.remove(r)
 
@@ -358,7 +429,7 @@ class Scheduler:
         the server keeps serving. Slots taken for the failed step were never counted; free them."""
         if self._step_slots is not None:
             self.kv.free(self._step_slots)
-        self._promised, self._step_slots = 0, None
+        self._promised, self._step_slots, self._inflight = 0, None, None
         for r in self.running:
             r.extend_len = 0
             r.finish = r.finish or {"type": "abort", "message": message, "status_code": 500}

@@ -1,6 +1,7 @@
 """Output logprobs as a logits processor: it runs first, so it sees the model's raw distribution
 (log_softmax of the float32 logits before penalties, bias, masks, temperature or top-k/p), and once
-the tokens are drawn it appends each asking request's row (logprobs.py) to `req.lp_out`.
+the tokens are drawn it computes each asking request's row (logprobs.py); the scheduler appends it to
+`req.lp_out` with the token (`take`).
 
 The captured rows wait keyed by request uid between `apply` and `on_sample` (a request ended in
 between leaves its row until `release`), so a retry request by request finds what it needs.
@@ -9,6 +10,7 @@ between leaves its row until `release`), so a retry request by request finds wha
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,6 +25,7 @@ class LogprobCapture(LogitsProcessor):
     def __init__(self) -> None:
         super().__init__()
         self._raw: dict[int, tuple[torch.Tensor, int]] = {}  # uid -> (log-probs, its row there)
+        self._drawn: list[tuple[Req, Any]] = []
 
     def uses(self, req: Req) -> bool:
         return req.lp is not None
@@ -61,5 +64,11 @@ class LogprobCapture(LogitsProcessor):
             raw, sampled, [r.lp.top_k for _, r in picked], [r.lp.token_ids for _, r in picked]
         )
         for (_, r), row in zip(picked, rows, strict=True):  # written only once every row was computed
-            r.lp_out.append(row)
+            self._drawn.append((r, row))
             del self._raw[r.uid]
+
+    def take(self) -> list[tuple[Req, Any]]:
+        """This step's rows, (request, row): they join `req.lp_out` when the step's tokens do (under
+        overlap scheduling the next step is drawn before this one's tokens are processed)."""
+        drawn, self._drawn = self._drawn, []
+        return drawn

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler.host_copy import to_device
 from shared.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK53 = (1 << 53) - 1
@@ -52,7 +53,7 @@ class SamplingInfo:
         seeded = [p.sampling_seed is not None and not g for p, g in zip(params, greedy, strict=True)]
 
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+            return to_device(values, dtype, device).unsqueeze(1)
 
         return cls(
             temperatures=col(
@@ -61,9 +62,9 @@ class SamplingInfo:
             top_ks=col(top_ks, torch.int64),
             top_ps=col([p.top_p for p in params], torch.float32),
             min_ps=col([p.min_p for p in params], torch.float32),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=to_device(greedy, torch.bool, device),
             seeds=col([(p.sampling_seed or 0) % SEED_MODULUS for p in params], torch.int64),
-            seeded=torch.tensor(seeded, dtype=torch.bool, device=device),
+            seeded=to_device(seeded, torch.bool, device),
             all_greedy=all(greedy),
             need_sort=any(
                 not g and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0)
@@ -74,12 +75,17 @@ class SamplingInfo:
         )
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor, check: bool = True
+) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B], -1 for a row without a usable logit. `positions` [B, 1]
-    int64: each row's output index, which keys the seeded noise."""
-    top, greedy_ids = logits.max(dim=-1)  # top is NaN where the row has one
-    if bool(((top > -_LOGIT_CAP) & (top < _LOGIT_CAP)).all()):  # the usual case: nothing to repair
-        return _draw(logits, info, positions, greedy_ids)
+    int64: each row's output index, which keys the seeded noise. check=True looks on the host whether
+    any row needs repair first (a sync; the usual case then skips the repair); check=False always
+    repairs, on the device, so the draw never waits for the GPU (overlap scheduling)."""
+    if check:
+        top, greedy_ids = logits.max(dim=-1)  # top is NaN where the row has one
+        if bool(((top > -_LOGIT_CAP) & (top < _LOGIT_CAP)).all()):  # the usual case: nothing to repair
+            return _draw(logits, info, positions, greedy_ids)
     banned = logits.isnan() | (logits == float("-inf"))
     dead = banned.all(dim=-1)
     fixed = logits.clamp(-_LOGIT_CAP, _LOGIT_CAP).masked_fill(banned, float("-inf"))
