@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from services.scheduler.sampling.penalties import uses_counts
 from services.scheduler.sampling.processors import BatchPlan, LogitsProcessor
@@ -58,11 +59,11 @@ class DensePenaltyProcessor(LogitsProcessor):
         row = req.row
         self.counts[row].zero_()
         if req.output:
-            out = torch.tensor(req.output, dtype=torch.int64, device=self.device)
+            out = to_device(req.output, torch.int64, self.device)
             self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         self.prompt_seen[row].zero_()
         if req.sampling.repetition_penalty != 1.0:
-            self.prompt_seen[row, torch.tensor(req.prompt, dtype=torch.int64, device=self.device)] = True
+            self.prompt_seen[row, to_device(req.prompt, torch.int64, self.device)] = True
         super().admit(req)
 
     @torch.inference_mode()
@@ -92,12 +93,12 @@ class DensePenaltyProcessor(LogitsProcessor):
         dev = self.device
 
         def col(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=dev).unsqueeze(1)
+            return to_device(values, torch.float32, dev).unsqueeze(1)
 
         reps = [r.sampling.repetition_penalty for _, r in used]
         return _Plan(
-            idx=torch.tensor([i for i, _ in used], device=dev),
-            rows=torch.tensor([r.row for _, r in used], device=dev),
+            idx=to_device([i for i, _ in used], torch.int64, dev),
+            rows=to_device([r.row for _, r in used], torch.int64, dev),
             freq=col([r.sampling.frequency_penalty for _, r in used]),
             pres=col([r.sampling.presence_penalty for _, r in used]),
             rep=col(reps) if any(x != 1.0 for x in reps) else None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from services.scheduler.sampling.processors import BatchPlan, LogitsProcessor
 
@@ -48,5 +49,5 @@ class LogitBiasProcessor(LogitsProcessor):
         if not rows:
             return None
         dev = self.device
-        return _Plan(torch.tensor(rows, device=dev), torch.tensor(cols, device=dev),
-                     torch.tensor(vals, dtype=torch.float32, device=dev))  # fmt: skip
+        return _Plan(to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev),
+                     to_device(vals, torch.float32, dev))  # fmt: skip

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from services.scheduler import logprobs
+from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from services.scheduler.sampling.processors import LogitsProcessor
 
@@ -41,7 +42,7 @@ class LogprobCapture(LogitsProcessor):
         asked = [i for i, r in enumerate(reqs) if r.lp is not None]
         if not asked:
             return
-        lp = torch.log_softmax(logits[torch.tensor(asked, device=logits.device)], dim=-1)
+        lp = torch.log_softmax(logits[to_device(asked, torch.int64, logits.device)], dim=-1)
         for j, i in enumerate(asked):
             self._raw[reqs[i].uid] = (lp, j)
 

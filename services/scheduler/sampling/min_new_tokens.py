@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from services.scheduler.sampling.processors import BatchPlan, LogitsProcessor
 
@@ -50,5 +51,5 @@ class MinNewTokensProcessor(LogitsProcessor):
         if not rows:
             return None
         dev = self.device
-        return _Plan(torch.tensor(rows, device=dev), torch.tensor(cols, device=dev),
-                     torch.tensor(until, dtype=torch.int64, device=dev))  # fmt: skip
+        return _Plan(to_device(rows, torch.int64, dev), to_device(cols, torch.int64, dev),
+                     to_device(until, torch.int64, dev))  # fmt: skip
