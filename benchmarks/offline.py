@@ -31,7 +31,8 @@ from shared.config import EngineConfig, add_cli_args, cli_overrides
 # the engine options a benchmark run may set (the rest come from SGLBUS_* or their defaults)
 ENGINE_FLAGS = ("model_path", "load_format", "dtype", "device", "schedule_policy", "chunked_prefill_size",
                 "max_running_requests", "max_total_tokens", "mem_fraction_static", "disable_radix_cache",
-                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph")  # fmt: skip
+                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
+                "disable_overlap_schedule")  # fmt: skip
 
 
 @dataclass
