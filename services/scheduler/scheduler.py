@@ -12,6 +12,10 @@ bus is a trust boundary), and logits -> tokens and logprobs (`SampleStep`, sampl
 the requests whose own row fails (abort, 500). Only an error that concerns the whole step (the
 forward) fails the step (`fail_running`).
 
+A step is launched (`_launch`: slots, ForwardBatch, forward, draw) and completed (`_complete`: the ids
+on the host, finishes, output). With overlap scheduling the next step is launched before the previous
+one completes, so its host work hides behind the device's (docs/architecture.md, "Overlap scheduling").
+
 Batch statistics go to this module's logger at INFO, in SGLang's words (`BatchLog`, batch_log.py).
 """
 
