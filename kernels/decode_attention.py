@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.dot_operands import dot_operands
+from kernels.online_softmax import attend_tile
 
 # S, the number of key splits per request: enough programs to fill an H200's 132 SMs at batch 1-32
 DEFAULT_KV_SPLITS = 16
@@ -87,26 +88,10 @@ def _decode_split_kernel(
             n_ok = n < end
             slots = tl.load(req_to_token + row * stride_rr + n * stride_rt, mask=n_ok, other=0)
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :] * stride_kd,
-                mask=kv_mask,
-                other=0.0,
-            )
-            qk = tl.dot(q_tile, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-            qk = tl.where(n_ok[None, :], qk, float("-inf"))
-            # every tile has a key in range, so m_new is finite and the exponentials are defined
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            v = tl.load(
-                v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd,
-                mask=kv_mask,
-                other=0.0,
-            )
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            m_i, l_i, acc = attend_tile(
+                q_tile, k_buf, v_buf, slots, kv_head, d, kv_mask, n_ok[None, :], m_i, l_i, acc, qk_scale,
+                stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, DOT_DTYPE, DOT_PRECISION,
+            )  # fmt: skip
         o_ptr = part_o + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps
         tl.store(o_ptr + d[None, :] * stride_pd, acc / l_i[:, None], mask=head_ok[:, None] & d_ok[None, :])
         lse_ptr = part_lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.dot_operands import dot_operands
+from kernels.online_softmax import attend_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -70,26 +71,11 @@ def _extend_kernel(
             n_ok = n < kv_end
             slots = tl.load(req_to_token + row * stride_rr + n * stride_rt, mask=n_ok, other=0)
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_buf + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :] * stride_kd,
-                mask=kv_mask,
-                other=0.0,
-            )
-            qk = tl.dot(q_tile, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-            qk = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            # masked V rows load as zeros: garbage (even NaN) in unread slots never reaches acc
-            v = tl.load(
-                v_buf + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd,
-                mask=kv_mask,
-                other=0.0,
-            )
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+            m_i, l_i, acc = attend_tile(
+                q_tile, k_buf, v_buf, slots, kv_head, d, kv_mask, visible, m_i, l_i, acc, qk_scale,
+                stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, DOT_DTYPE, DOT_PRECISION,
+            )  # fmt: skip
         res = acc / l_i[:, None]
         tl.store(
             out + (tok0 + m[:, None]) * stride_ot + head * stride_oh + d[None, :] * stride_od,
