@@ -38,6 +38,7 @@ from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiti
 from services.scheduler.prefix_cache import make_prefix_cache
 from services.scheduler.request import Req, check_request
 from services.scheduler.sample_step import Drawn, SampleStep
+from services.scheduler.step_inputs import StepInputs
 from services.scheduler.step_output import StepOutput
 from shared.config import EngineConfig
 from shared.messages import BatchTokenOut, GenerateReq
@@ -315,52 +316,24 @@ class Scheduler:
 
     # -- forward ------------------------------------------------------------------------------
     def _forward_batch(self, batch: list[Req]) -> tuple[ForwardBatch, list[Req], list[tuple[Req, int]]]:
-        ids: list[int] = []
-        samplers: list[Req] = []
-        logits_idx: list[int] = []
-        lp_idx: list[int] = []
-        lp_reqs: list[tuple[Req, int]] = []  # requests owing prompt logprobs, positions this step
-        rows, prefix_lens, extend_lens = [], [], []
-        from_flight: list[tuple[int, int]] = []  # (token index here, row of the step in flight)
-        start = 0
-        for r in batch:
-            c, n = r.num_computed, r.extend_len
-            rows.append(r.row)
-            prefix_lens.append(c)
-            extend_lens.append(n)
-            p = len(r.prompt)
-            if r.pending:  # decodes the token the step in flight drew: filled in on the device below
-                from_flight.append((start, r.pending_at))
-                ids.append(0)
-            elif n == 1:
-                ids.append(r.prompt[c] if c < p else r.output[c - p])
-            else:
-                ids.extend(r.fill[c : c + n])
-            if r.lp_pos < r.lp_end:  # the cache match stopped at lp_pos, so c <= lp_pos
-                a, b = r.lp_pos, min(r.lp_end, c + n)
-                if b > a:
-                    lp_idx.extend(range(start + a - c, start + b - c))
-                    lp_reqs.append((r, b - a))
-            start += n
-            if c + n == p + len(r.output) + r.pending and r.max_new_tokens > len(r.output) + r.pending:
-                samplers.append(r)
-                logits_idx.append(start - 1)
+        step = StepInputs.collect(batch)
         loc = self.kv.alloc(self._promised)
-        assert loc is not None and loc.numel() == start, "the step's slots were promised"
+        assert loc is not None and loc.numel() == step.num_tokens, "the step's slots were promised"
         self._promised, self._step_slots = 0, loc
-        every = len(logits_idx) == start  # every token samples (a decode batch): no gather
-        fb = ForwardBatch.build(ids, rows, prefix_lens, extend_lens, loc, None if every else logits_idx,
-                                lp_idx, self.runner.device)  # fmt: skip
+        every = len(step.logits_idx) == step.num_tokens  # every token samples (a decode batch): no gather
+        logits_idx = None if every else step.logits_idx
+        fb = ForwardBatch.build(step.ids, step.rows, step.prefix_lens, step.extend_lens, loc, logits_idx,
+                                step.lp_idx, self.runner.device)  # fmt: skip
         # the new tokens' slots into their rows of req_to_token, one scatter for the batch
-        token_rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=start)
-        self.req_to_token.table[token_rows, fb.positions] = loc
-        if from_flight:
+        rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=step.num_tokens)
+        self.req_to_token.table[rows, fb.positions] = loc
+        if step.from_flight:
             assert self._inflight is not None and self._inflight.drawn is not None
             dev = self.runner.device
-            dst = to_device([t for t, _ in from_flight], torch.int64, dev)
-            src = to_device([j for _, j in from_flight], torch.int64, dev)
+            dst = to_device([t for t, _ in step.from_flight], torch.int64, dev)
+            src = to_device([j for _, j in step.from_flight], torch.int64, dev)
             fb.input_ids[dst] = self._inflight.drawn.safe[src]
-        return fb, samplers, lp_reqs
+        return fb, step.samplers, step.lp_reqs
 
     def _launch(self, batch: list[Req]) -> _Step:
         """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not."""
