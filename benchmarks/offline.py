@@ -9,6 +9,7 @@ HF transformers (`--compare-hf`) and/or the engine without its radix cache (`--c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -24,6 +25,8 @@ import torch
 import sglbus
 from benchmarks.hf_baseline import run_hf
 from benchmarks.launch import append_result
+from benchmarks.stack_profile import StackProfile
+from benchmarks.step_trace import summarize
 from benchmarks.workloads import Workload, add_workload_args, build_workload, optimal_hit_rate
 from services.scheduler.model_runner import resolve_device
 from shared.config import EngineConfig, add_cli_args, cli_overrides
@@ -46,6 +49,12 @@ class RunResult:
     optimal_hit_rate: float | None = None
     overhead_pct: float | None = None
     steps: int | None = None
+    # CUDA only (StepTimer): GPU time of the steps as a share of the duration, and per step kind
+    device_busy_pct: float | None = None
+    decode_steps: int | None = None
+    decode_ms: float | None = None
+    extend_steps: int | None = None
+    extend_ms: float | None = None
 
     @property
     def total_throughput(self) -> float:
@@ -62,6 +71,10 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     c.add_argument("--hf-batch-size", type=int, default=16)
     c.add_argument("--compare-no-cache", action="store_true", help="also run the engine without radix cache")
     c.add_argument("--output-file", default=None, help="append one JSONL row with all figures")
+    trace_help = "CUDA: print the GPU time and idle time of the steps by kind and batch size"
+    c.add_argument("--step-trace", action="store_true", help=trace_help)
+    profile_help = "sample every thread's Python stack during the timed run; print the top functions"
+    c.add_argument("--profile", action="store_true", help=profile_help)
     example = '{"frequency_penalty": 1.1}'
     e.add_argument("--extra-sampling-params", type=json.loads, default={},
                    help=f"JSON merged into every request's sampling_params, e.g. '{example}'")  # fmt: skip
@@ -87,11 +100,27 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         before = engine.get_stats()
         extra = args.extra_sampling_params
         params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **extra} for _, n in workload]
-        t0 = time.perf_counter()
-        outs = engine.generate(
-            input_ids=[ids for ids, _ in workload], sampling_params=params, **args.extra_request_params
-        )
-        duration = time.perf_counter() - t0
+        for p in params:  # a min_new_tokens past a request's max_new_tokens would be refused: clip it
+            if "min_new_tokens" in p:
+                p["min_new_tokens"] = min(p["min_new_tokens"], p["max_new_tokens"])
+        if args.step_trace:
+            engine._on_scheduler(lambda s: setattr(s.timer, "trace", []))
+        alloc_before = _allocator_counts()
+        with StackProfile() if args.profile else contextlib.nullcontext() as prof:
+            t0 = time.perf_counter()
+            outs = engine.generate(
+                input_ids=[ids for ids, _ in workload], sampling_params=params, **args.extra_request_params
+            )
+            duration = time.perf_counter() - t0
+        if prof is not None:
+            print(prof.report())
+        trace = engine._on_scheduler(lambda s: s.timer.trace) if args.step_trace else None
+        if trace:  # (empty on CPU: no device timing there)
+            print(summarize(trace))
+            alloc = {k: v - alloc_before[k] for k, v in _allocator_counts().items()}
+            print(f"CUDA allocator during the run: {alloc['num_alloc_retries']} retries (each frees the "
+                  f"cache and syncs the device), {alloc['num_device_alloc']} cudaMalloc, "
+                  f"{alloc['num_device_free']} cudaFree")  # fmt: skip
         after = engine.get_stats()
         eos = engine.tokenizer.eos_token_id
         info = {
@@ -100,7 +129,10 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
             "pad_id": engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else eos,
             "device": resolve_device(engine.config.device),
         }
-    d = {k: after[k] - before[k] for k in ("prompt_tokens", "cached_tokens", "steps", "forward_s", "step_s")}
+    d = {k: after[k] - before[k] for k in ("prompt_tokens", "cached_tokens", "steps", "forward_s", "step_s",
+                                           "device_s", "device_decode_s", "device_extend_s", "decode_steps",
+                                           "extend_steps")}  # fmt: skip
+    on_device = d["device_s"] > 0
     aborted = [
         o["meta_info"]["finish_reason"] for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"
     ]
@@ -124,7 +156,18 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         overhead_pct=100 * (d["step_s"] - d["forward_s"]) / max(d["step_s"], 1e-9),
         steps=d["steps"],
     )
+    if on_device:
+        result.device_busy_pct = 100 * d["device_s"] / duration
+        result.decode_steps, result.extend_steps = d["decode_steps"], d["extend_steps"]
+        result.decode_ms = 1000 * d["device_decode_s"] / max(d["decode_steps"], 1)
+        result.extend_ms = 1000 * d["device_extend_s"] / max(d["extend_steps"], 1)
     return result, info
+
+
+def _allocator_counts() -> dict[str, int]:
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return {k: stats.get(k, 0) for k in keys}
 
 
 def print_block(r: RunResult) -> None:
@@ -145,6 +188,12 @@ def print_block(r: RunResult) -> None:
             ("Cache hit rate:", f"{100 * r.cache_hit_rate:.2f}%"),
             ("Optimal cache hit rate:", f"{100 * (r.optimal_hit_rate or 0):.2f}%"),
             ("Radix cache overhead (% of step time):", f"{r.overhead_pct:.2f}"),
+        ]
+    if r.device_busy_pct is not None:
+        rows += [
+            ("Device busy (% of duration):", f"{r.device_busy_pct:.1f}"),
+            ("Decode steps, mean device ms:", f"{r.decode_steps}, {r.decode_ms:.2f}"),
+            ("Prefill steps, mean device ms:", f"{r.extend_steps}, {r.extend_ms:.2f}"),
         ]
     for label, value in rows:
         print(f"{label:<40} {value:<10}")

@@ -45,7 +45,8 @@ def _sm_count(device_index: int) -> int:
 def _num_splits(max_splits: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
     if device.type != "cuda":  # the interpreter: every split, so tests cover them
         return max_splits
-    return min(max_splits, max(1, 4 * _sm_count(device.index) // (batch * num_kv_heads)))
+    fill = min(max_splits, max(1, 4 * _sm_count(device.index) // (batch * num_kv_heads)))
+    return 1 << (fill.bit_length() - 1)  # a power of two: few variants to compile (each at first use)
 
 
 @triton.jit

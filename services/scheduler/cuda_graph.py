@@ -7,7 +7,8 @@ KV slot 0, which is never handed out) and replays the bucket's graph: one launch
 and no host work per layer. Extends, batches that want prompt logprobs and batches larger than the
 largest bucket run eagerly.
 
-    buckets   1 2 4 8, then every 16 up to 256, then every 32
+    buckets   1 2 4 8, then every 16 up to 256, every 32 up to 512, every 64 up to 1024, every 128
+              up to 2048, every 256 beyond (padding stays under 1/8 of a batch past 64)
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from services.scheduler.memory import ReqToTokenPool
 
 
 def graph_buckets(max_bs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(288, max(max_bs, 288) + 1, 32)]
-    out = sorted({s for s in sizes if s < max_bs} | {max_bs})
-    return out
+    top = max(max_bs, 256)
+    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(288, min(top, 512) + 1, 32),
+             *range(576, min(top, 1024) + 1, 64), *range(1152, min(top, 2048) + 1, 128),
+             *range(2304, top + 1, 256)]  # fmt: skip
+    return sorted({s for s in sizes if s < max_bs} | {max_bs})
 
 
 class CudaGraphRunner:
@@ -70,6 +73,7 @@ class CudaGraphRunner:
             seq_lens_cpu=ones,
             extend_lens_cpu=ones,
             max_extend_len=1,
+            num_decode=bs,
         )
 
     def _capture(self, bs: int, pool) -> None:

@@ -8,7 +8,9 @@ A decode is an extend of length 1, so one layout covers both. Request i contribu
 attention reads slots req_to_token[req_pool_indices[i], :seq_lens[i]].
 
     mode DECODE   every request adds exactly one token (T == B): decode kernels, CUDA graphs
-    mode EXTEND   anything else (prefills, chunked prefills, decodes mixed in)
+    mode EXTEND   anything else (prefills, chunked prefills, decodes mixed in); the scheduler puts
+                  the requests that add one token first (`num_decode` of them), so a backend can
+                  run its decode kernel on those and its extend kernel on the rest
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import enum
 from dataclasses import dataclass
 
 import torch
+
+from services.scheduler.host_copy import to_device
 
 
 class ForwardMode(enum.Enum):
@@ -43,6 +47,7 @@ class ForwardBatch:
     seq_lens_cpu: torch.Tensor
     extend_lens_cpu: torch.Tensor
     max_extend_len: int
+    num_decode: int  # the first num_decode requests add one token each (all of them in DECODE mode)
 
     @property
     def batch_size(self) -> int:
@@ -71,6 +76,8 @@ class ForwardBatch:
         seq = pre + ext
         starts = torch.cumsum(ext, 0) - ext
         decode = t == b
+        ones = ext == 1
+        num_decode = b if decode else int(ones.cumprod(0).sum()) if b else 0
         if decode:
             positions = pre
         else:
@@ -82,10 +89,7 @@ class ForwardBatch:
             parts.append(torch.tensor(logits_idx, dtype=torch.int64))
         if lp_idx:
             parts.append(torch.tensor(lp_idx, dtype=torch.int64))
-        host = torch.cat(parts)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+        dev = to_device(torch.cat(parts), torch.int64, device)
         views, at = [], 0
         for n in (t, t, b, b, b, b, b, n_logits, len(lp_idx)):
             views.append(dev[at : at + n])
@@ -106,6 +110,7 @@ class ForwardBatch:
             seq_lens_cpu=seq,
             extend_lens_cpu=ext,
             max_extend_len=int(ext.max()) if b else 0,
+            num_decode=num_decode,
         )
 
 

@@ -40,6 +40,7 @@ from services.scheduler.request import Req, check_request
 from services.scheduler.sample_step import Drawn, SampleStep
 from services.scheduler.step_inputs import StepInputs
 from services.scheduler.step_output import StepOutput
+from services.scheduler.step_timer import Marks, StepTimer
 from shared.config import EngineConfig
 from shared.messages import BatchTokenOut, GenerateReq
 from shared.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class _Step:
     samplers: list[Req]
     drawn: Drawn | None
     prefilled: list[tuple[Req, int]]
+    marks: Marks | None = None  # device timing (StepTimer, CUDA only)
 
 
 class Scheduler:
@@ -89,6 +91,7 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
         self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
+        self.timer = StepTimer(runner.device, self.stats)
         self._log = BatchLog(log)
 
     # -- inputs -------------------------------------------------------------------------------
@@ -337,12 +340,16 @@ class Scheduler:
 
     def _launch(self, batch: list[Req]) -> _Step:
         """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not."""
+        # one-token requests first: an attention backend runs its decode kernel on those (num_decode)
+        batch = [r for r in batch if r.extend_len == 1] + [r for r in batch if r.extend_len != 1]
         fb, samplers, lp_reqs = self._forward_batch(batch)
         t1 = time.perf_counter()
+        start = self.timer.begin()
         out = self.runner.forward(fb)
         if lp_reqs:
             self.sampling.input_logprobs(out.lp_hidden, lp_reqs)
         drawn = self.sampling.launch(out.logits, samplers, sync=not self.overlap) if samplers else None
+        marks = self.timer.end(start, fb.mode, fb.batch_size, fb.num_tokens)
         self.stats["forward_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1
         # the step's KV is the requests' now: count it computed at launch, so the next step (under
@@ -354,7 +361,7 @@ class Scheduler:
         for j, r in enumerate(samplers):
             r.pending, r.pending_at = 1, j
         self._step_slots = None
-        return _Step(batch, samplers, drawn, prefilled)
+        return _Step(batch, samplers, drawn, prefilled, marks)
 
     def _flush(self) -> None:
         """Complete the step in flight now (before a retraction, which needs every token known)."""
@@ -367,6 +374,7 @@ class Scheduler:
         """The step's ids are on the host: append them, check finishes, emit. A request that finished,
         failed or was aborted since the launch drops its token."""
         tokens = self.sampling.finish(st.drawn) if st.drawn is not None else []
+        self.timer.collect(st.marks)
         generated = 0
         for r, tok in zip(st.samplers, tokens, strict=True):
             r.pending = 0

@@ -3,8 +3,9 @@ runs on the GPU too with `SGLBUS_DEVICE=cuda SGLBUS_DTYPE=float32 SGLBUS_MAX_TOT
 tests/engine` (a fixed pool: each test module keeps several engines alive at once; parity with
 HF, penalties, logprobs, n > 1, seeds, stop strings, chunked prefill, retraction, faults).
 
-Checked here: the triton backend (CUDA graphs on) gives the torch backend's greedy tokens in fp32;
-CUDA graphs change nothing; bf16 output logprobs stay within BF16_LOGPROB_TOL of fp32's.
+Checked here: the triton backend (CUDA graphs on) gives the torch backend's greedy tokens in fp32
+(parting only at a near tie, FP32_TIE); CUDA graphs change nothing (the same); bf16 output logprobs
+stay within BF16_LOGPROB_TOL of fp32's.
 """
 
 from __future__ import annotations
@@ -25,33 +26,46 @@ PROMPTS = [
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 # |logprob(bf16) - logprob(fp32)| of the fp32 run's own greedy tokens, while both agree on the tokens
 BF16_LOGPROB_TOL = 0.35
+# two fp32 implementations (other kernels, other reduction orders) may only part at a near tie: where
+# the reference's top two logprobs are this close
+FP32_TIE = 1e-4
 
 
 def greedy(make_engine, prompts=PROMPTS, **options):
     # several engines live in one process here: a fixed pool each, not a share of the free memory
     engine = make_engine(device="cuda", max_total_tokens=65536, **options)
-    return engine.generate(prompts, [GREEDY] * len(prompts), return_logprob=True)
+    return engine.generate(prompts, [GREEDY] * len(prompts), return_logprob=True, top_logprobs_num=2)
 
 
-def ids(outs):
-    return [o["output_ids"] for o in outs]
+def assert_same_greedy(got, ref):
+    """Token for token, except after a near tie of the reference (then the rest is not compared)."""
+    for k, (g, r) in enumerate(zip(got, ref, strict=True)):
+        a, b = g["output_ids"], r["output_ids"]
+        assert len(a) == len(b), f"prompt {k}: {len(a)} tokens, the reference {len(b)}"
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if i is None:
+            continue
+        (first, *_), (second, *_) = r["meta_info"]["output_top_logprobs"][i][:2]
+        assert first - second < FP32_TIE, (
+            f"prompt {k} parts from the reference at token {i} ({a[i]} vs {b[i]}), where the "
+            f"reference's top two logprobs differ by {first - second:.2e} (not a near tie)"
+        )
 
 
 def test_triton_matches_torch_in_fp32(make_engine):
     ref = greedy(make_engine, attention_backend="torch", dtype="float32")
     got = greedy(make_engine, attention_backend="triton", dtype="float32")
-    assert ids(got) == ids(ref)
+    assert_same_greedy(got, ref)
 
 
 def test_cuda_graphs_change_nothing(make_engine):
     eager = greedy(make_engine, dtype="float32", disable_cuda_graph=True)
     graphed = greedy(make_engine, dtype="float32")
-    assert ids(graphed) == ids(eager)
+    assert_same_greedy(graphed, eager)
     # a batch size between two graph buckets (padding rows) and one above the largest graph
     many = [f"Item {i}: the colour of the sky is" for i in range(40)]
-    assert ids(greedy(make_engine, many, dtype="float32", cuda_graph_max_bs=16)) == ids(
-        greedy(make_engine, many, dtype="float32", disable_cuda_graph=True)
-    )
+    assert_same_greedy(greedy(make_engine, many, dtype="float32", cuda_graph_max_bs=16),
+                       greedy(make_engine, many, dtype="float32", disable_cuda_graph=True))  # fmt: skip
 
 
 def test_bf16_stays_close_to_fp32(make_engine):

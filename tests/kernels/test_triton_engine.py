@@ -37,7 +37,10 @@ def run(make_engine, folder, backend, **options):
     return [first, *rest]
 
 
-@pytest.mark.parametrize("options", [{}, {"chunked_prefill_size": 8}, {"max_total_tokens": 80}])
+OVERLAP = {"chunked_prefill_size": 8, "disable_overlap_schedule": False}  # the GPU's default, on CPU
+
+
+@pytest.mark.parametrize("options", [{}, {"chunked_prefill_size": 8}, {"max_total_tokens": 80}, OVERLAP])
 def test_triton_backend_matches_torch(make_engine, tiny, options):
     ref = run(make_engine, tiny, "torch", **options)
     got = run(make_engine, tiny, "triton", **options)

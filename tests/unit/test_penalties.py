@@ -123,6 +123,24 @@ def test_readmission_rebuilds_counts_from_the_output_so_far(impl):
     assert torch.allclose(got[0], reference(logits[0], r), atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_row_released_and_taken_again_before_the_step_holds_only_the_new_request(impl):
+    a = make_req("a", 1, [4, 5, 7], [9, 9], frequency_penalty=1.0, repetition_penalty=2.0)
+    b = make_req("b", 1, [11, 12], [13], presence_penalty=0.5, repetition_penalty=3.0)
+    c = make_req("c", 3, [20], [], repetition_penalty=1.5)
+    pen = Penalizer(4, V, torch.device("cpu"), impl)
+    pen.on_admit(a)
+    for p in pen.procs:  # a leaves (aborted or retracted) before any step, b takes its row
+        p.release(a)
+    pen.on_admit(b)
+    pen.on_admit(c)
+    logits = torch.randn(2, V)
+    got = logits.clone()
+    pen.apply(got, [b, c])
+    for i, r in enumerate((b, c)):
+        assert torch.allclose(got[i], reference(logits[i], r), atol=1e-6)
+
+
 def test_min_new_tokens_mask_lifts_once_reached():
     r = make_req("m", 0, [1], [], min_new_tokens=2, stop_token_ids=[9])
     pen = Penalizer(2, V, torch.device("cpu"))

@@ -4,7 +4,9 @@ or copied. The default on CUDA; under `TRITON_INTERPRET=1` it also runs on CPU (
     store     kernels.kv_store: the step's new K/V into their slots, one launch for both
     DECODE    kernels.decode_attention: flash-decoding (split-K over the sequence), GQA-grouped;
               the grid depends only on the batch size, so a CUDA graph captures it
-    EXTEND    kernels.extend_attention: causal attention over cached prefix + new tokens, per request
+    EXTEND    kernels.extend_attention: causal attention over cached prefix + new tokens, per request;
+              the batch's leading one-token requests (decodes mixed in, `fb.num_decode`) go to the
+              decode kernel instead, which reads each kv head once for its whole q-head group
 
 Nothing is planned per step: the kernels read the batch's device tensors directly.
 """
@@ -17,7 +19,7 @@ from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode
 from kernels.extend_attention import extend_attention
 from kernels.kv_store import store_kv
 from services.scheduler.attention.base import AttentionBackend
-from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.memory import KVPool, ReqToTokenPool
 
 
@@ -42,13 +44,15 @@ class TritonAttention(AttentionBackend):
         store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         table = self.req_to_token.table
-        if fb.mode is ForwardMode.DECODE:
+        nd = fb.num_decode  # the whole batch in DECODE mode
+        if nd:
             decode_attention(
-                q, k_buf, v_buf, out, table, fb.req_pool_indices, fb.seq_lens, self.scratch, self.scale
-            )
-        else:
+                q[:nd], k_buf, v_buf, out[:nd], table, fb.req_pool_indices[:nd], fb.seq_lens[:nd],
+                self.scratch, self.scale,
+            )  # fmt: skip
+        if nd < fb.batch_size:
             extend_attention(
-                q, out, k_buf, v_buf, table, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
-                fb.extend_start_loc, fb.max_extend_len, self.scale,
+                q, out, k_buf, v_buf, table, fb.req_pool_indices[nd:], fb.prefix_lens[nd:],
+                fb.extend_lens[nd:], fb.extend_start_loc[nd:], fb.max_extend_len, self.scale,
             )  # fmt: skip
         return out

@@ -43,34 +43,59 @@ class DensePenaltyProcessor(LogitsProcessor):
         self.counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
         self._plan = BatchPlan(self._build)
+        self._admitted: dict[int, Req] = {}  # row -> request admitted since the last step
 
     def uses(self, req: Req) -> bool:
         return uses_counts(req)
 
     @torch.inference_mode()
     def admit(self, req: Req) -> None:
-        """Rebuild the request's rows (its output is non-empty after a retraction)."""
+        """Queue the request's rows for a rebuild (its output is non-empty after a retraction); the
+        step's admissions are written together, before the next apply (`_write_admitted`)."""
         if not uses_counts(req):
             return
         if self.counts is None:
             shape = (self.rows, self.vocab_size)
             self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
             self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        row = req.row
-        self.counts[row].zero_()
-        if req.output:
-            out = to_device(req.output, torch.int64, self.device)
-            self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        self.prompt_seen[row].zero_()
-        if req.sampling.repetition_penalty != 1.0:
-            self.prompt_seen[row, to_device(req.prompt, torch.int64, self.device)] = True
+        self._admitted[req.row] = req
         super().admit(req)
+
+    def release(self, req: Req) -> None:
+        if req.row is not None and self._admitted.get(req.row) is req:
+            del self._admitted[req.row]
+        super().release(req)
+
+    def _write_admitted(self) -> None:
+        """Zero the admitted requests' rows, count their output so far and mark their prompts: three
+        device writes for all of them, from one packed host copy."""
+        if not self._admitted:
+            return
+        reqs = list(self._admitted.values())
+        rows = [r.row for r in reqs]
+        out_rows = [r.row for r in reqs for _ in r.output]
+        out_tokens = [t for r in reqs for t in r.output]
+        seen = [r for r in reqs if r.sampling.repetition_penalty != 1.0]
+        seen_rows = [r.row for r in seen for _ in r.prompt]
+        seen_tokens = [t for r in seen for t in r.prompt]
+        packed = to_device(rows + out_rows + out_tokens + seen_rows + seen_tokens, torch.int64, self.device)
+        sizes = (len(rows), len(out_rows), len(out_tokens), len(seen_rows), len(seen_tokens))
+        rows_d, out_rows_d, out_tokens_d, seen_rows_d, seen_tokens_d = packed.split(sizes)
+        self.counts[rows_d] = 0
+        self.prompt_seen[rows_d] = False
+        if out_tokens:
+            ones = torch.ones(len(out_tokens), dtype=torch.int32, device=self.device)
+            self.counts.index_put_((out_rows_d, out_tokens_d), ones, accumulate=True)
+        if seen_tokens:
+            self.prompt_seen[seen_rows_d, seen_tokens_d] = True
+        self._admitted.clear()
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, reqs: Sequence[Req], output_lens: torch.Tensor) -> None:
         plan = self._plan.get(reqs) if self.active else None
         if plan is None:
             return
+        self._write_admitted()
         counts = self.counts[plan.rows]
         rows = logits[plan.idx] - plan.freq * counts - plan.pres * (counts > 0)
         if plan.rep is not None:
@@ -83,6 +108,7 @@ class DensePenaltyProcessor(LogitsProcessor):
         plan = self._plan.get(reqs) if self.active else None
         if plan is None:
             return
+        self._write_admitted()
         ones = torch.ones(plan.rows.numel(), dtype=torch.int32, device=self.device)
         self.counts.index_put_((plan.rows, tokens[plan.idx]), ones, accumulate=True)
 

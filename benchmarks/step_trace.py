@@ -1,0 +1,43 @@
+"""Where the GPU's time went in a run, step by step (CUDA only): the scheduler's StepTimer trace,
+summed by step kind and batch size. `idle` is the GPU's wait before a step (host work that did not
+hide behind the device's work).
+
+    python -m benchmarks.offline --model-path <folder> --load-format dummy ... --step-trace
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+_BOUNDS = (1, 64, 256, 512, 1024, 2048, 4096)
+
+
+def _bucket(n: int) -> int:
+    """The index of n's range of batch sizes in _BOUNDS."""
+    return sum(n >= b for b in _BOUNDS[1:])
+
+
+def _label(i: int) -> str:
+    return f"{_BOUNDS[i]}-{_BOUNDS[i + 1] - 1}" if i + 1 < len(_BOUNDS) else f">={_BOUNDS[-1]}"
+
+
+def summarize(trace: list[tuple[str, int, int, float, float]]) -> str:
+    """Rows: kind, requests per step (bucket), steps, mean requests, mean tokens, device s, ms/step,
+    idle s, idle ms/step. The first step's idle time (since before the run) is left out."""
+    groups: dict[tuple[str, int], list[tuple[str, int, int, float, float]]] = defaultdict(list)
+    for i, row in enumerate(trace):
+        kind, reqs, tokens, dev, idle = row
+        groups[(kind, _bucket(reqs))].append((kind, reqs, tokens, dev, 0.0 if i == 0 else idle))
+    head = f"{'step':<8}{'requests':>11}{'steps':>7}{'mean req':>10}{'mean tok':>10}{'device s':>10}" \
+           f"{'ms/step':>9}{'idle s':>8}{'idle ms':>9}"  # fmt: skip
+    lines = [head]
+    for key in sorted(groups):
+        rows = groups[key]
+        n = len(rows)
+        dev, idle = sum(r[3] for r in rows), sum(r[4] for r in rows)
+        lines.append(f"{key[0]:<8}{_label(key[1]):>11}{n:>7}{sum(r[1] for r in rows) / n:>10.0f}"
+                     f"{sum(r[2] for r in rows) / n:>10.0f}{dev:>10.2f}{1000 * dev / n:>9.2f}"
+                     f"{idle:>8.2f}{1000 * idle / n:>9.2f}")  # fmt: skip
+    dev, idle = sum(r[3] for r in trace), sum(r[4] for r in trace[1:])
+    lines.append(f"total: {len(trace)} steps, device {dev:.2f} s, idle between steps {idle:.2f} s")
+    return "\n".join(lines)
