@@ -7,7 +7,9 @@ of a CUDA graph, the way the engine runs decode (back to back, so data under the
 there). KV pools hold each request's slots in a random permutation, the worst case for the gathers.
 "KV GB/s" (from the graph time) counts the K and V bytes of every request's keys once; "floor" is that
 traffic at 4.25 TB/s, the H200's copy bandwidth, so "% floor" near 100 means bandwidth-bound at the
-hardware's limit. Extend also gives TFLOP/s of the causal QK^T and PV products.
+hardware's limit. Extend also gives TFLOP/s of the causal QK^T and PV products. The cascade rows time
+the shared-prefix path against the plain decode kernel on the same requests (its error is against the
+plain kernel's output; its KV GB/s counts every request's keys, so above the floor means it read less).
 
     python -m benchmarks.kernel_bench            # Llama-3-8B heads (32 q, 8 kv, head_dim 128), bf16
     python -m benchmarks.kernel_bench --heads 9 --kv-heads 3 --head-dim 64
@@ -22,12 +24,15 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from kernels.cascade_plan import CascadePlan, block_r
 from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch
 from kernels.extend_attention import extend_attention
 
 FLOOR_BYTES_PER_S = 4.25e12
 DECODE_SHAPES = [(1, 512), (64, 512), (256, 512), (1024, 512), (32, 8192)]  # (batch, seq_len)
 EXTEND_SHAPES = [(8, 256, 0), (8, 256, 1024)]  # (requests, new tokens each, cached prefix)
+# (groups, members each, shared prefix, own tokens): the generated-shared-prefix workload's decode
+CASCADE_SHAPES = [(8, 64, 1024, 128), (1, 256, 4096, 64), (32, 8, 512, 64)]
 
 
 @dataclass
@@ -112,6 +117,40 @@ def bench_decode(batch: int, seq_len: int, args: argparse.Namespace, dtype: torc
     return Row(f"decode B={batch} seq={seq_len}", err, *timings(run), kv_bytes)
 
 
+def bench_cascade(groups: int, members: int, prefix: int, own: int, args: argparse.Namespace,
+                  dtype: torch.dtype) -> tuple[Row, Row]:  # fmt: skip
+    """`groups` x `members` decodes, each over a shared `prefix` plus `own` tokens of its own: the plain
+    decode kernel (every request reads the prefix) against the cascade path (once per tile)."""
+    batch, seq_len = groups * members, prefix + own
+    k_buf, v_buf, table = make_pool(batch, seq_len, args, dtype)
+    for g in range(groups):
+        first = g * members
+        table[first + 1 : first + members, :prefix] = table[first, :prefix]
+    q = torch.randn(batch, args.heads, args.head_dim, device="cuda", dtype=dtype)
+    out = torch.empty_like(q)
+    rows = torch.arange(batch, device="cuda")
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    scratch = decode_scratch(batch, args.heads, args.head_dim, args.num_kv_splits, "cuda")
+    scale = args.head_dim**-0.5
+    br = block_r(torch.device("cuda"), args.heads // args.kv_heads)
+    firsts = [g * members + a for g in range(groups) for a in range(0, members, br)]
+    counts = [min(br, members - a) for _ in range(groups) for a in range(0, members, br)]
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
+    plan = CascadePlan(t([prefix] * batch), t(list(range(batch))), t(firsts), t(counts),
+                       t([prefix] * len(firsts)), t(firsts), len(firsts), br)  # fmt: skip
+    plain = lambda: decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, scale)
+    plain()
+    ref = out.float().clone()
+    cascade = lambda: decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, scale, plan)
+    cascade()
+    err = rel_err(out, ref)
+    kv_bytes = 2 * batch * seq_len * args.kv_heads * args.head_dim * q.element_size()
+    shape = f"{groups}x{members} over {prefix}+{own}"
+    return Row(f"decode {shape}", 0.0, *timings(plain), kv_bytes), Row(
+        f"cascade {shape}", err, *timings(cascade), kv_bytes
+    )
+
+
 def bench_extend(num_reqs: int, ext: int, prefix: int, args: argparse.Namespace, dtype: torch.dtype) -> Row:
     k_buf, v_buf, table = make_pool(num_reqs, prefix + ext, args, dtype)
     q = torch.randn(num_reqs * ext, args.heads, args.head_dim, device="cuda", dtype=dtype)
@@ -150,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     warm_up_clocks()
     rows = [bench_decode(b, s, args, dtype) for b, s in DECODE_SHAPES]
     rows += [bench_extend(n, e, p, args, dtype) for n, e, p in EXTEND_SHAPES]
+    rows += [row for shape in CASCADE_SHAPES for row in bench_cascade(*shape, args, dtype)]
     print(HEADER)
     for r in rows:
         print(r.line())

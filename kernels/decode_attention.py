@@ -18,6 +18,10 @@ Stage 2, grid (B, H): combines the non-empty splits of one head, recomputing whi
 seq_len, so scratch rows never written are never read. A request with seq_len 0 gets zeros.
 
 The grid depends only on B, H and S: no host synchronisation, safe to capture in a CUDA graph.
+
+Cascade (a CascadePlan, cascade_attention.py): a grouped request's splits cover only its own keys,
+kv_starts[b] .. seq_len-1; the shared prefix's partial lands in the scratch's last slot
+(shared_prefix_attention, between the two stages), and stage 2 folds it in where kv_starts[b] > 0.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.cascade_attention import shared_prefix_attention
+from kernels.cascade_plan import CascadePlan
 from kernels.dot_operands import dot_operands
 from kernels.online_softmax import attend_tile
 
@@ -51,7 +57,7 @@ def _num_splits(max_splits: int, batch: int, num_kv_heads: int, device: torch.de
 
 @triton.jit
 def _decode_split_kernel(
-    q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, qk_scale,
+    q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, kv_starts, part_o, part_lse, qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -60,15 +66,16 @@ def _decode_split_kernel(
     stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_START: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    kv0 = tl.load(kv_starts + b).to(tl.int32) if USE_START else 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv0, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = kv0 + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start < end:
         row = tl.load(req_pool_indices + b).to(tl.int64)
@@ -101,20 +108,23 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    out, seq_lens, part_o, part_lse,
+    out, seq_lens, kv_starts, part_o, part_lse,
     stride_ob, stride_oh, stride_od,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_START: tl.constexpr, PREFIX_SLOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     head = tl.program_id(1)
 
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv0 = tl.load(kv_starts + b).to(tl.int32) if USE_START else 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv0, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s = tl.arange(0, BLOCK_S)
-    s_ok = (s < NUM_SPLITS) & (s * chunk < seq_len)
+    s_ok = (s < NUM_SPLITS) & (s * chunk < seq_len - kv0)
+    if USE_START:  # the shared prefix's partial (cascade_attention.py), when the request has one
+        s_ok = s_ok | ((s == PREFIX_SLOT) & (kv0 > 0))
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse_ptr = part_lse + b.to(tl.int64) * stride_lb + head * stride_lh + s * stride_ls
@@ -134,11 +144,13 @@ def _decode_combine_kernel(
 def decode_scratch(
     max_batch: int, num_heads: int, head_dim: int, num_kv_splits: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Preallocated float32 buffers for the split-K partials: o [max_batch, H, S, D] and the base-2
-    log-sum-exp [max_batch, H, S], S = num_kv_splits the most splits a request's keys get (pass
-    DEFAULT_KV_SPLITS). Allocated once; a CUDA graph replays over the same buffers."""
-    o = torch.empty((max_batch, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device)
-    lse = torch.empty((max_batch, num_heads, num_kv_splits), dtype=torch.float32, device=device)
+    """Preallocated float32 buffers for the split-K partials: o [max_batch, H, S + 1, D] and the base-2
+    log-sum-exp [max_batch, H, S + 1], S = num_kv_splits the most splits a request's keys get (pass
+    DEFAULT_KV_SPLITS); the last slot holds a shared prefix's partial (cascade). Allocated once; a CUDA
+    graph replays over the same buffers."""
+    shape = (max_batch, num_heads, num_kv_splits + 1)
+    o = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+    lse = torch.empty(shape, dtype=torch.float32, device=device)
     return o, lse
 
 
@@ -152,9 +164,12 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scratch: tuple[torch.Tensor, torch.Tensor],
     sm_scale: float,
+    cascade: CascadePlan | None = None,
 ) -> None:
     """One query token per request: out[b] = softmax(q[b] K^T * sm_scale) V over keys 0..seq_lens[b]-1
-    of row req_pool_indices[b]. Any strides; out may be q itself (stage 1 reads q before stage 2 writes)."""
+    of row req_pool_indices[b]. Any strides; out may be q itself (stage 1 reads q before stage 2 writes).
+    With a cascade plan, each grouped request's splits start at its shared prefix's end and the prefix
+    is attended once per tile of its group (cascade_attention.py); the combine merges both."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     part_o, part_lse = scratch
@@ -166,21 +181,31 @@ def decode_attention(
         return
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    num_splits = _num_splits(part_o.shape[2], batch, num_kv_heads, q.device)
+    prefix_slot = part_o.shape[2] - 1
+    num_splits = _num_splits(prefix_slot, batch, num_kv_heads, q.device)
     # GPU: 64-key tiles, 4 warps, 3 stages (best of 32/64/128 keys and 2/3 stages on an H200);
     # the interpreter: 16-key tiles, so short test sequences span several
     block_n = 16 if q.device.type == "cpu" else 64
     dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
+    starts = seq_lens if cascade is None else cascade.kv_starts  # (unread without a cascade)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, sm_scale * _LOG2E,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, starts, part_o, part_lse,
+        sm_scale * _LOG2E,
         *q.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),
         *part_o.stride(), *part_lse.stride(),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=4, num_stages=3,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, USE_START=cascade is not None,
+        num_warps=4, num_stages=3,
     )  # fmt: skip
+    if cascade is not None:
+        shared_prefix_attention(
+            q, k_buf, v_buf, req_to_token, cascade, part_o, part_lse, prefix_slot, sm_scale
+        )
+    slots = num_splits if cascade is None else prefix_slot + 1
     _decode_combine_kernel[(batch, num_heads)](
-        out, seq_lens, part_o, part_lse, *out.stride(), *part_o.stride(), *part_lse.stride(),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4 if block_d >= 128 else 2,
+        out, seq_lens, starts, part_o, part_lse, *out.stride(), *part_o.stride(), *part_lse.stride(),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(slots),
+        BLOCK_D=block_d, BLOCK_N=block_n, USE_START=cascade is not None, PREFIX_SLOT=prefix_slot,
+        num_warps=4 if block_d >= 128 else 2,
     )  # fmt: skip

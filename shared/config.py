@@ -72,6 +72,11 @@ class EngineConfig:
     disable_overlap_schedule: bool | None = option(
         None, "prepare each step while the previous one runs on the GPU; unset: overlap on GPU, not on CPU"
     )
+    enable_cascade_attention: bool = option(
+        False,
+        "decode many requests over one long cached prefix with the shared-prefix kernel "
+        "(triton backend; eager steps, not yet timed on a GPU)",
+    )
     random_seed: int = option(0, "sampling seed")
     subject_prefix: str = option("sglbus", "NATS subject prefix (one per model deployment)")
     worker_id: str = option("0", "this scheduler's id; its detokenizer must have the same")

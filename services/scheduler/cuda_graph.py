@@ -92,7 +92,12 @@ class CudaGraphRunner:
         self.graphs[bs], self.logits[bs] = graph, out.logits
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode is ForwardMode.DECODE and fb.lp_idx is None and fb.batch_size <= self.max_bs
+        return (
+            fb.mode is ForwardMode.DECODE
+            and fb.lp_idx is None
+            and fb.cascade is None
+            and fb.batch_size <= self.max_bs
+        )
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
         bs = fb.batch_size

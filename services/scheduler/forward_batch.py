@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cascade_plan import CascadePlan
 from services.scheduler.host_copy import to_device
 
 
@@ -48,6 +49,8 @@ class ForwardBatch:
     extend_lens_cpu: torch.Tensor
     max_extend_len: int
     num_decode: int  # the first num_decode requests add one token each (all of them in DECODE mode)
+    # shared prefixes among the decode rows (kernels/cascade_attention.py), or None
+    cascade: CascadePlan | None = None
 
     @property
     def batch_size(self) -> int:
@@ -68,6 +71,7 @@ class ForwardBatch:
         logits_idx: list[int] | None,
         lp_idx: list[int],
         device: torch.device,
+        cascade: CascadePlan | None = None,
     ) -> ForwardBatch:
         """From host lists: one packed int64 tensor, one copy to the device, then views of it."""
         b, t = len(rows), len(input_ids)
@@ -111,6 +115,7 @@ class ForwardBatch:
             extend_lens_cpu=ext,
             max_extend_len=int(ext.max()) if b else 0,
             num_decode=num_decode,
+            cascade=cascade,
         )
 
 

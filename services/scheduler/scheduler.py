@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
+from kernels.cascade_plan import block_r
 from services.scheduler.batch_log import BatchLog
+from services.scheduler.cascade import plan_cascade
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.host_copy import to_device
 from services.scheduler.model_runner import ModelRunner
@@ -92,6 +94,10 @@ class Scheduler:
                       "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
         self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
         self.timer = StepTimer(runner.device, self.stats)
+        # members per tile of the shared-prefix decode kernel; 0: no cascade
+        mc = runner.model_config
+        cascade = config.enable_cascade_attention and runner.attn.supports_cascade
+        self._cascade_tile = block_r(runner.device, mc.num_heads // mc.num_kv_heads) if cascade else 0
         self._log = BatchLog(log)
 
     # -- inputs -------------------------------------------------------------------------------
@@ -318,15 +324,20 @@ class Scheduler:
         self.stats["retractions"] += 1
 
     # -- forward ------------------------------------------------------------------------------
-    def _forward_batch(self, batch: list[Req]) -> tuple[ForwardBatch, list[Req], list[tuple[Req, int]]]:
+    def _forward_batch(
+        self, batch: list[Req], decodes: list[Req]
+    ) -> tuple[ForwardBatch, list[Req], list[tuple[Req, int]]]:
         step = StepInputs.collect(batch)
         loc = self.kv.alloc(self._promised)
         assert loc is not None and loc.numel() == step.num_tokens, "the step's slots were promised"
         self._promised, self._step_slots = 0, loc
         every = len(step.logits_idx) == step.num_tokens  # every token samples (a decode batch): no gather
         logits_idx = None if every else step.logits_idx
+        cascade = (
+            plan_cascade(decodes, self._cascade_tile, self.runner.device) if self._cascade_tile else None
+        )
         fb = ForwardBatch.build(step.ids, step.rows, step.prefix_lens, step.extend_lens, loc, logits_idx,
-                                step.lp_idx, self.runner.device)  # fmt: skip
+                                step.lp_idx, self.runner.device, cascade)  # fmt: skip
         # the new tokens' slots into their rows of req_to_token, one scatter for the batch
         rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=step.num_tokens)
         self.req_to_token.table[rows, fb.positions] = loc
@@ -341,8 +352,9 @@ class Scheduler:
     def _launch(self, batch: list[Req]) -> _Step:
         """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not."""
         # one-token requests first: an attention backend runs its decode kernel on those (num_decode)
-        batch = [r for r in batch if r.extend_len == 1] + [r for r in batch if r.extend_len != 1]
-        fb, samplers, lp_reqs = self._forward_batch(batch)
+        decodes = [r for r in batch if r.extend_len == 1]
+        batch = decodes + [r for r in batch if r.extend_len != 1]
+        fb, samplers, lp_reqs = self._forward_batch(batch, decodes)
         t1 = time.perf_counter()
         start = self.timer.begin()
         out = self.runner.forward(fb)

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
+from kernels.cascade_plan import CascadePlan, block_r  # noqa: E402
 from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch  # noqa: E402
 from kernels.extend_attention import extend_attention  # noqa: E402
 
@@ -100,6 +101,30 @@ def test_extend(num_heads, num_kv_heads, head_dim, dtype):
     prefix = torch.tensor(prefix_lens, device="cuda")
     extend_attention(q, out, k_buf, v_buf, table, rows, prefix, ext, starts, max(extend_lens), scale)
     ref = reference(q, k_buf, v_buf, table, rows, prefix_lens, extend_lens, scale)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_a_shared_prefix(dtype):
+    """The cascade path at serving sizes: 40 of 48 requests over one 1500-token cached prefix."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    num_heads, num_kv_heads, head_dim, prefix = 32, 8, 128, 1500
+    seq_lens = [prefix + 1 + i * 7 for i in range(40)] + [1, 30, 600, 2000, 64, 65, 3000, 9]
+    k_buf, v_buf, table, rows = make_pool(seq_lens, num_kv_heads, head_dim, dtype, gen)
+    table[rows[1:40], :prefix] = table[rows[0], :prefix]
+    br = block_r(torch.device("cuda"), num_heads // num_kv_heads)
+    members = list(range(40))
+    tiles = list(range(0, 40, br))
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
+    plan = CascadePlan(t([prefix] * 40 + [0] * 8), t(members), t(tiles), t([min(br, 40 - a) for a in tiles]),
+                       t([prefix] * len(tiles)), rows[t(tiles)], len(tiles), br)  # fmt: skip
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    out = torch.full_like(q, float("nan"))
+    scratch = decode_scratch(len(seq_lens), num_heads, head_dim, DEFAULT_KV_SPLITS, "cuda")
+    lens = torch.tensor(seq_lens, device="cuda")
+    scale = head_dim**-0.5
+    decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, scale, plan)
+    ref = reference(q, k_buf, v_buf, table, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale)
     assert rel_err(out, ref) < TOL[dtype]
 
 

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 without CUDA
 
 
+from kernels.cascade_plan import CascadePlan, block_r  # noqa: E402
 from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
 from kernels.extend_attention import extend_attention  # noqa: E402
 
@@ -113,6 +114,48 @@ def test_decode_reads_strided_q_and_writes_strided_out():
     lens = torch.tensor(seq_lens, device=DEVICE)
     decode_attention(q, k_buf, v_buf, out, table, rows, lens, decode_scratch(2, 6, 64, 4, DEVICE), 0.125)
     assert rel_err(out, reference(q, k_buf, v_buf, table, rows, [4, 32], [1, 1], 0.125)) < 1e-4
+
+
+def cascade_plan(groups, batch, group_size):
+    """A CascadePlan by hand: groups = [(prefix_len, [batch indices])], tiles of block_r members."""
+    br = block_r(torch.device(DEVICE), group_size)
+    starts, members, first, count, length, rows = [0] * batch, [], [], [], [], []
+    for prefix, idx in groups:
+        for i in idx:
+            starts[i] = prefix
+        for a in range(0, len(idx), br):
+            first.append(len(members))
+            count.append(len(idx[a : a + br]))
+            length.append(prefix)
+            rows.append(idx[a])  # the test's row lookup: replaced by the table row below
+            members.extend(idx[a : a + br])
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    return CascadePlan(t(starts), t(members), t(first), t(count), t(length), t(rows), len(first), br)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4), (6, 2)])
+def test_decode_with_shared_prefixes_matches_reference(num_heads, num_kv_heads):
+    # two groups (9 members over a 37-token prefix: several tiles; 3 over 20) and two loners; the
+    # members' rows hold the same slots for the prefix, as the radix cache hands them out
+    seq_lens = [40, 38, 60, 41, 37 + 16, 39, 45, 38, 70, 25, 21, 22, 90, 5]
+    groups = [(37, [0, 1, 2, 3, 4, 5, 6, 7, 8]), (20, [9, 10, 11])]
+    gen = torch.Generator().manual_seed(5)
+    k_buf, v_buf, table, rows = make_pool(seq_lens, num_kv_heads, 64, torch.float32, gen)
+    for prefix, idx in groups:
+        table[rows[idx[1:]], :prefix] = table[rows[idx[0]], :prefix]
+    plan = cascade_plan(groups, len(seq_lens), num_heads // num_kv_heads)
+    plan = CascadePlan(plan.kv_starts, plan.members, plan.tile_first, plan.tile_count, plan.tile_len,
+                       rows[plan.tile_row], plan.num_tiles, plan.block_r)  # fmt: skip
+    q = torch.randn(len(seq_lens), num_heads, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    scratch = decode_scratch(len(seq_lens), num_heads, 64, 4, DEVICE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, 0.125, plan)
+    ref = reference(q, k_buf, v_buf, table, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), 0.125)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    plain = torch.full_like(q, float("nan"))
+    decode_attention(q, k_buf, v_buf, plain, table, rows, lens, scratch, 0.125)
+    assert (out - plain).abs().max().item() < 1e-5
 
 
 def run_extend(prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):

@@ -49,3 +49,29 @@ def test_triton_backend_matches_torch(make_engine, tiny, options):
         for (lg, *_), (lr, *_) in zip(g["meta_info"]["output_token_logprobs"],
                                       r["meta_info"]["output_token_logprobs"], strict=True):  # fmt: skip
             assert abs(lg - lr) < 1e-4
+
+
+def test_shared_prefix_decode_matches_torch(make_engine, tiny, monkeypatch):
+    """Six requests over one cached 40-token prefix decode through the cascade kernel (thresholds
+    lowered to fit the tiny model) and give the torch backend's greedy tokens."""
+    import kernels.decode_attention as decode
+    import services.scheduler.cascade as cascade
+
+    monkeypatch.setattr(cascade, "CASCADE_MIN_GROUP", 4)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 16)
+    calls = []
+    real = decode.shared_prefix_attention
+    monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: calls.append(1) or real(*a))
+    prefix = list(range(400, 440))
+    prompts = [prefix + [7 + i, 8 + i, 9] for i in range(6)]
+
+    def run(backend):
+        engine = make_engine(model_path=tiny, attention_backend=backend, device="cpu",
+                             enable_cascade_attention=True)  # fmt: skip
+        engine.generate(input_ids=prefix + [1], sampling_params=PARAMS)  # the prefix is cached
+        return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=[PARAMS] * 6)]
+
+    ref = run("torch")
+    assert not calls
+    assert run("triton") == ref
+    assert calls, "the cascade kernel never ran"

@@ -20,6 +20,7 @@ from services.scheduler.memory import KVPool, ReqToTokenPool
 
 class AttentionBackend(ABC):
     supports_cuda_graph = False
+    supports_cascade = False  # reads ForwardBatch.cascade (shared-prefix decode); others ignore it
 
     def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, num_heads: int, head_dim: int) -> None:
         self.kv, self.req_to_token = kv, req_to_token

@@ -7,6 +7,8 @@ or copied. The default on CUDA; under `TRITON_INTERPRET=1` it also runs on CPU (
     EXTEND    kernels.extend_attention: causal attention over cached prefix + new tokens, per request;
               the batch's leading one-token requests (decodes mixed in, `fb.num_decode`) go to the
               decode kernel instead, which reads each kv head once for its whole q-head group
+    CASCADE   with `fb.cascade` (services/scheduler/cascade.py), a shared prefix is attended once
+              per tile of its requests (kernels.cascade_attention) inside decode_attention
 
 Nothing is planned per step: the kernels read the batch's device tensors directly.
 """
@@ -25,6 +27,7 @@ from services.scheduler.memory import KVPool, ReqToTokenPool
 
 class TritonAttention(AttentionBackend):
     supports_cuda_graph = True
+    supports_cascade = True
 
     def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, num_heads: int, head_dim: int) -> None:
         super().__init__(kv, req_to_token, num_heads, head_dim)
@@ -48,7 +51,7 @@ class TritonAttention(AttentionBackend):
         if nd:
             decode_attention(
                 q[:nd], k_buf, v_buf, out[:nd], table, fb.req_pool_indices[:nd], fb.seq_lens[:nd],
-                self.scratch, self.scale,
+                self.scratch, self.scale, fb.cascade,
             )  # fmt: skip
         if nd < fb.batch_size:
             extend_attention(
