@@ -28,7 +28,9 @@ def ref_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return TorchOps.silu_and_mul(gate_up)
+    """models/llama.py's torch numerics for silu(gate) * up on a fused [gate | up] product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         o = F.linear(o.reshape(t, self.q_size), self.o_proj)
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(o, residual, norm.weight, norm.eps)
-        return F.linear(ops.silu_and_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
+        return F.linear(ops.gate_up_silu(h, self.gate_up_proj), self.down_proj), residual
 
 
 @dataclass

@@ -3,7 +3,7 @@ interface: `TorchOps` (the reference; transformers' numerics, so fp32 greedy out
 for token) and `TritonOps` (kernels/: one fused launch per step instead of several torch ops).
 
     add_rms_norm(x, residual, w, eps)   (rms_norm(x + residual), x + residual)
-    silu_and_mul(gate_up)               silu(gate) * up for gate_up = [gate | up]
+    gate_up_silu(h, w)                  silu(h Wg^T) * (h Wu^T) for the fused weight w = [Wg; Wu]
     rope(q, k, cos, sin, positions)     rotate-half RoPE on q [T, H, D] and k [T, Hkv, D]
 
 The Triton versions follow the same rounding (the sum is rounded to the input dtype before it is
@@ -33,9 +33,11 @@ class TorchOps:
         return cls.rms_norm(residual, weight, eps), residual
 
     @staticmethod
-    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def gate_up_silu(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # one product per half, as transformers computes them: contiguous outputs (silu and mul on
+        # the strided halves of one fused product cost 2x on CPU) and the same rounding
+        gate_w, up_w = weight.chunk(2, dim=0)
+        return F.silu(F.linear(h, gate_w)) * F.linear(h, up_w)
 
     @staticmethod
     def rope(
@@ -70,8 +72,8 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._add_rms_norm(x, residual, weight, eps)  # residual updated in place
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._silu_and_mul(gate_up)
+    def gate_up_silu(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._silu_and_mul(F.linear(h, weight))  # one product, one fused kernel
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
