@@ -98,15 +98,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_decode(batch: int, seq_len: int, args: argparse.Namespace, dtype: torch.dtype) -> Row:
+def decode_inputs(batch: int, seq_len: int, args: argparse.Namespace, dtype: torch.dtype) -> tuple:
+    """(q, k_buf, v_buf, out, table, rows, lens, scratch, scale): decode_attention's arguments."""
     k_buf, v_buf, table = make_pool(batch, seq_len, args, dtype)
     q = torch.randn(batch, args.heads, args.head_dim, device="cuda", dtype=dtype)
-    out = torch.empty_like(q)
     rows = torch.arange(batch, device="cuda")
     lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     scratch = decode_scratch(batch, args.heads, args.head_dim, args.num_kv_splits, "cuda")
-    scale = args.head_dim**-0.5
-    run = lambda: decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, scale)
+    return q, k_buf, v_buf, torch.empty_like(q), table, rows, lens, scratch, args.head_dim**-0.5
+
+
+def bench_decode(batch: int, seq_len: int, args: argparse.Namespace, dtype: torch.dtype) -> Row:
+    inputs = decode_inputs(batch, seq_len, args, dtype)
+    q, k_buf, v_buf, out, table, _, _, _, scale = inputs
+    run = lambda: decode_attention(*inputs)
     run()
     k = k_buf[table].float().transpose(1, 2)  # [B, Hkv, S, D]
     v = v_buf[table].float().transpose(1, 2)
@@ -122,26 +127,21 @@ def bench_cascade(groups: int, members: int, prefix: int, own: int, args: argpar
     """`groups` x `members` decodes, each over a shared `prefix` plus `own` tokens of its own: the plain
     decode kernel (every request reads the prefix) against the cascade path (once per tile)."""
     batch, seq_len = groups * members, prefix + own
-    k_buf, v_buf, table = make_pool(batch, seq_len, args, dtype)
+    inputs = decode_inputs(batch, seq_len, args, dtype)
+    q, out, table = inputs[0], inputs[3], inputs[4]
     for g in range(groups):
         first = g * members
         table[first + 1 : first + members, :prefix] = table[first, :prefix]
-    q = torch.randn(batch, args.heads, args.head_dim, device="cuda", dtype=dtype)
-    out = torch.empty_like(q)
-    rows = torch.arange(batch, device="cuda")
-    lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-    scratch = decode_scratch(batch, args.heads, args.head_dim, args.num_kv_splits, "cuda")
-    scale = args.head_dim**-0.5
     br = block_r(torch.device("cuda"), args.heads // args.kv_heads)
     firsts = [g * members + a for g in range(groups) for a in range(0, members, br)]
     counts = [min(br, members - a) for _ in range(groups) for a in range(0, members, br)]
     t = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
     plan = CascadePlan(t([prefix] * batch), t(list(range(batch))), t(firsts), t(counts),
                        t([prefix] * len(firsts)), t(firsts), len(firsts), br)  # fmt: skip
-    plain = lambda: decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, scale)
+    plain = lambda: decode_attention(*inputs)
     plain()
     ref = out.float().clone()
-    cascade = lambda: decode_attention(q, k_buf, v_buf, out, table, rows, lens, scratch, scale, plan)
+    cascade = lambda: decode_attention(*inputs, plan)
     cascade()
     err = rel_err(out, ref)
     kv_bytes = 2 * batch * seq_len * args.kv_heads * args.head_dim * q.element_size()

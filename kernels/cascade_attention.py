@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels.cascade_plan import CascadePlan
 from kernels.dot_operands import dot_operands
-from kernels.online_softmax import attend_tile
+from kernels.online_softmax import attend_keys
 
 _LOG2E = 1.4426950408889634
 
@@ -63,22 +63,15 @@ def _shared_prefix_kernel(
         mask=ok[:, None] & d_ok[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
-    m_i = tl.full([BLOCK_R * GROUP_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R * GROUP_P], tl.float32)
-    acc = tl.zeros([BLOCK_R * GROUP_P, BLOCK_D], tl.float32)
-    for n0 in range(0, prefix, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < prefix
-        slots = tl.load(req_to_token + row * stride_rr + n * stride_rt, mask=n_ok, other=0)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        m_i, l_i, acc = attend_tile(
-            q_tile, k_buf, v_buf, slots, kv_head, d, kv_mask, n_ok[None, :], m_i, l_i, acc, qk_scale,
-            stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, DOT_DTYPE, DOT_PRECISION,
-        )  # fmt: skip
+    o, lse = attend_keys(
+        q_tile, k_buf, v_buf, req_to_token, row, 0, prefix, kv_head, d, d_ok, qk_scale,
+        stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_rr, stride_rt,
+        BLOCK_R * GROUP_P, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
     o_ptr = part_o + b[:, None] * stride_pb + heads[:, None] * stride_ph + PREFIX_SLOT * stride_ps
-    tl.store(o_ptr + d[None, :] * stride_pd, acc / l_i[:, None], mask=ok[:, None] & d_ok[None, :])
+    tl.store(o_ptr + d[None, :] * stride_pd, o, mask=ok[:, None] & d_ok[None, :])
     lse_ptr = part_lse + b * stride_lb + heads * stride_lh + PREFIX_SLOT * stride_ls
-    tl.store(lse_ptr, m_i + tl.log2(l_i), mask=ok)
+    tl.store(lse_ptr, lse, mask=ok)
 
 
 def shared_prefix_attention(

@@ -35,7 +35,7 @@ import triton.language as tl
 from kernels.cascade_attention import shared_prefix_attention
 from kernels.cascade_plan import CascadePlan
 from kernels.dot_operands import dot_operands
-from kernels.online_softmax import attend_tile
+from kernels.online_softmax import attend_keys
 
 # S, the number of key splits per request: enough programs to fill an H200's 132 SMs at batch 1-32
 DEFAULT_KV_SPLITS = 16
@@ -88,22 +88,15 @@ def _decode_split_kernel(
             mask=head_ok[:, None] & d_ok[None, :],
             other=0.0,
         ).to(DOT_DTYPE)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            slots = tl.load(req_to_token + row * stride_rr + n * stride_rt, mask=n_ok, other=0)
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            m_i, l_i, acc = attend_tile(
-                q_tile, k_buf, v_buf, slots, kv_head, d, kv_mask, n_ok[None, :], m_i, l_i, acc, qk_scale,
-                stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, DOT_DTYPE, DOT_PRECISION,
-            )  # fmt: skip
+        o, lse = attend_keys(
+            q_tile, k_buf, v_buf, req_to_token, row, start, end, kv_head, d, d_ok, qk_scale,
+            stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_rr, stride_rt,
+            BLOCK_H, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
         o_ptr = part_o + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-        tl.store(o_ptr + d[None, :] * stride_pd, acc / l_i[:, None], mask=head_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptr + d[None, :] * stride_pd, o, mask=head_ok[:, None] & d_ok[None, :])
         lse_ptr = part_lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls
-        tl.store(lse_ptr, m_i + tl.log2(l_i), mask=head_ok)
+        tl.store(lse_ptr, lse, mask=head_ok)
 
 
 @triton.jit

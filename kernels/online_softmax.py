@@ -6,6 +6,9 @@ running max / sum / accumulator of the online softmax (base 2: qk_scale includes
     kv_mask [N, D]   which K/V elements to load; masked rows load as zeros, so garbage (even NaN) in
                      unread slots never reaches the accumulator
 Every query row must see at least one key of the tile, so the running max stays finite.
+
+`attend_keys` runs the tiles over a whole key range with no mask beyond it (the decode and
+shared-prefix kernels) and returns the normalised partial output and its log-sum-exp.
 """
 
 from __future__ import annotations
@@ -37,3 +40,27 @@ def attend_tile(
     )
     pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def attend_keys(
+    q_tile, k_buf, v_buf, req_to_token, row, start, end, kv_head, d, d_ok, qk_scale,
+    stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_rr, stride_rt,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Every query row of the tile over keys start .. end-1 of req_to_token row `row` (no mask beyond
+    the range; start < end): the normalised output [ROWS, BLOCK_D] and the log-sum-exp (base 2)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        slots = tl.load(req_to_token + row * stride_rr + n * stride_rt, mask=n_ok, other=0)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        m_i, l_i, acc = attend_tile(
+            q_tile, k_buf, v_buf, slots, kv_head, d, kv_mask, n_ok[None, :], m_i, l_i, acc, qk_scale,
+            stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+    return acc / l_i[:, None], m_i + tl.log2(l_i)
