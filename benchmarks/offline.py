@@ -35,7 +35,7 @@ from shared.config import EngineConfig, add_cli_args, cli_overrides
 ENGINE_FLAGS = ("model_path", "load_format", "dtype", "device", "schedule_policy", "chunked_prefill_size",
                 "max_running_requests", "max_total_tokens", "mem_fraction_static", "disable_radix_cache",
                 "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
-                "disable_overlap_schedule")  # fmt: skip
+                "disable_overlap_schedule", "enable_cascade_attention")  # fmt: skip
 
 
 @dataclass
@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     c.add_argument("--step-trace", action="store_true", help=trace_help)
     profile_help = "sample every thread's Python stack during the timed run; print the top functions"
     c.add_argument("--profile", action="store_true", help=profile_help)
+    torch_help = "run torch.profiler on the scheduler thread during the timed run; print the top ops"
+    c.add_argument("--torch-profile", action="store_true", help=torch_help)
     example = '{"frequency_penalty": 1.1}'
     e.add_argument("--extra-sampling-params", type=json.loads, default={},
                    help=f"JSON merged into every request's sampling_params, e.g. '{example}'")  # fmt: skip
@@ -106,6 +108,8 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         if args.step_trace:
             engine._on_scheduler(lambda s: setattr(s.timer, "trace", []))
         alloc_before = _allocator_counts()
+        if args.torch_profile:
+            engine._on_scheduler(_start_torch_profile)
         with StackProfile() if args.profile else contextlib.nullcontext() as prof:
             t0 = time.perf_counter()
             outs = engine.generate(
@@ -114,6 +118,8 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
             duration = time.perf_counter() - t0
         if prof is not None:
             print(prof.report())
+        if args.torch_profile:
+            print(engine._on_scheduler(_stop_torch_profile))
         trace = engine._on_scheduler(lambda s: s.timer.trace) if args.step_trace else None
         if trace:  # (empty on CPU: no device timing there)
             print(summarize(trace))
@@ -162,6 +168,31 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         result.decode_ms = 1000 * d["device_decode_s"] / max(d["decode_steps"], 1)
         result.extend_ms = 1000 * d["device_extend_s"] / max(d["extend_steps"], 1)
     return result, info
+
+
+_torch_profiles: list[Any] = []
+
+
+def _start_torch_profile(_: Any) -> None:
+    """(scheduler thread) torch.profiler records the thread it was entered on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _torch_profiles.append(profile(activities=activities))
+    _torch_profiles[-1].__enter__()
+
+
+def _stop_torch_profile(_: Any) -> str:
+    p = _torch_profiles.pop()
+    p.__exit__(None, None, None)
+    table = p.key_averages()
+    parts = [table.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if torch.cuda.is_available():
+        try:
+            parts.append(table.table(sort_by="self_device_time_total", row_limit=30))
+        except (AttributeError, KeyError, ValueError):  # older torch names it after CUDA
+            parts.append(table.table(sort_by="self_cuda_time_total", row_limit=30))
+    return "\n".join(parts)
 
 
 def _allocator_counts() -> dict[str, int]:
