@@ -52,7 +52,7 @@ def test_triton_backend_matches_torch(make_engine, tiny, options):
 
 
 def test_shared_prefix_decode_matches_torch(make_engine, tiny, monkeypatch):
-    """Six requests over one cached 40-token prefix decode through the cascade kernel (thresholds
+    """Four requests over one cached 40-token prefix decode through the cascade kernel (thresholds
     lowered to fit the tiny model) and give the torch backend's greedy tokens."""
     import kernels.decode_attention as decode
     import services.scheduler.cascade as cascade
@@ -63,13 +63,14 @@ def test_shared_prefix_decode_matches_torch(make_engine, tiny, monkeypatch):
     real = decode.shared_prefix_attention
     monkeypatch.setattr(decode, "shared_prefix_attention", lambda *a: calls.append(1) or real(*a))
     prefix = list(range(400, 440))
-    prompts = [prefix + [7 + i, 8 + i, 9] for i in range(6)]
+    prompts = [prefix + [7 + i, 8 + i, 9] for i in range(4)]
+    params = {**PARAMS, "max_new_tokens": 4}
 
     def run(backend):
         engine = make_engine(model_path=tiny, attention_backend=backend, device="cpu",
                              enable_cascade_attention=True)  # fmt: skip
-        engine.generate(input_ids=prefix + [1], sampling_params=PARAMS)  # the prefix is cached
-        return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=[PARAMS] * 6)]
+        engine.generate(input_ids=prefix + [1], sampling_params={**params, "max_new_tokens": 1})  # cached
+        return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=[params] * 4)]
 
     ref = run("torch")
     assert not calls
