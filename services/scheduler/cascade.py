@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cascade_plan import CascadePlan
+from kernels.cascade_plan import CascadePlan, block_r
 from services.scheduler.host_copy import to_device
 from services.scheduler.radix_cache import TreeNode
 from services.scheduler.request import Req
@@ -39,6 +39,18 @@ def _group_node(req: Req) -> tuple[TreeNode, int] | None:
             return n, end
         end -= len(n.key)
     return None
+
+
+class CascadePlanner:
+    """The scheduler's side (built with `--enable-cascade-attention` for a backend that reads the
+    plan, `supports_cascade`): tiles sized for the model's GQA group."""
+
+    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int) -> None:
+        self.device = device
+        self.tile = block_r(device, num_heads // num_kv_heads)
+
+    def plan(self, decodes: Sequence[Req]) -> CascadePlan | None:
+        return plan_cascade(decodes, self.tile, self.device)
 
 
 def plan_cascade(decodes: Sequence[Req], block_r: int, device: torch.device) -> CascadePlan | None:

@@ -6,7 +6,7 @@
                                  request that owns row r (prefix from the radix cache, then its own)
 
 A slot is always in exactly one place: the free list, the radix cache, or a running request's own
-range (num_cached:num_computed of its row). `Scheduler.check_integrity` adds the three up.
+range (num_cached:num_computed of its row). `KVPool.check` adds the three up (`Scheduler.check_integrity`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ class KVPool:
 
     def free_slots(self) -> torch.Tensor:
         return self._free
+
+    def check(self, cached: int, in_use: int, cached_slots: torch.Tensor | None) -> None:
+        """free + cached + in use == pool size, else AssertionError; with the cache's slots (when no
+        request runs) also that no slot is both free and cached."""
+        free = self.free_count
+        if free + cached + in_use != self.size:
+            raise AssertionError(
+                f"KV leak: free {free} + cached {cached} + in use {in_use} != pool {self.size}"
+            )
+        if cached_slots is not None and torch.cat((self._free, cached_slots)).unique().numel() != self.size:
+            raise AssertionError("KV slots duplicated between the free list and the cache")
 
 
 class ReqToTokenPool:

@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from kernels.cascade_plan import block_r
 from services.scheduler.batch_log import BatchLog
-from services.scheduler.cascade import plan_cascade
+from services.scheduler.cascade import CascadePlanner
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.host_copy import to_device
 from services.scheduler.model_runner import ModelRunner
@@ -94,10 +93,8 @@ class Scheduler:
                       "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
         self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
         self.timer = StepTimer(runner.device, self.stats)
-        # members per tile of the shared-prefix decode kernel; 0: no cascade
-        mc = runner.model_config
-        cascade = config.enable_cascade_attention and runner.attn.supports_cascade
-        self._cascade_tile = block_r(runner.device, mc.num_heads // mc.num_kv_heads) if cascade else 0
+        mc, on = runner.model_config, config.enable_cascade_attention and runner.attn.supports_cascade
+        self.cascade = CascadePlanner(runner.device, mc.num_heads, mc.num_kv_heads) if on else None
         self._log = BatchLog(log)
 
     # -- inputs -------------------------------------------------------------------------------
@@ -333,9 +330,7 @@ class Scheduler:
         self._promised, self._step_slots = 0, loc
         every = len(step.logits_idx) == step.num_tokens  # every token samples (a decode batch): no gather
         logits_idx = None if every else step.logits_idx
-        cascade = (
-            plan_cascade(decodes, self._cascade_tile, self.runner.device) if self._cascade_tile else None
-        )
+        cascade = self.cascade.plan(decodes) if self.cascade else None
         fb = ForwardBatch.build(step.ids, step.rows, step.prefix_lens, step.extend_lens, loc, logits_idx,
                                 step.lp_idx, self.runner.device, cascade)  # fmt: skip
         # the new tokens' slots into their rows of req_to_token, one scatter for the batch
@@ -343,10 +338,8 @@ class Scheduler:
         self.req_to_token.table[rows, fb.positions] = loc
         if step.from_flight:
             assert self._inflight is not None and self._inflight.drawn is not None
-            dev = self.runner.device
-            dst = to_device([t for t, _ in step.from_flight], torch.int64, dev)
-            src = to_device([j for _, j in step.from_flight], torch.int64, dev)
-            fb.input_ids[dst] = self._inflight.drawn.safe[src]
+            pairs = to_device(step.from_flight, torch.int64, self.runner.device)  # (token, row in flight)
+            fb.input_ids[pairs[:, 0]] = self._inflight.drawn.safe[pairs[:, 1]]
         return fb, step.samplers, step.lp_reqs
 
     def _launch(self, batch: list[Req]) -> _Step:
@@ -450,14 +443,6 @@ class Scheduler:
         return self.kv.size - (self.kv.free_count - self._promised) - self.tree.evictable_size()
 
     def check_integrity(self) -> None:
-        """free + cached + in use == pool size; raises AssertionError on a leak."""
+        """The KV invariant (memory.py); raises AssertionError on a leak."""
         in_use = sum(r.num_computed - r.num_cached for r in self.running)
-        free, cached = self.kv.free_count, self.tree.total_size()
-        if free + cached + in_use != self.kv.size:
-            raise AssertionError(
-                f"KV leak: free {free} + cached {cached} + in use {in_use} != pool {self.kv.size}"
-            )
-        if not self.running:
-            slots = torch.cat((self.kv.free_slots(), self.tree.all_slots()))
-            if slots.unique().numel() != self.kv.size:
-                raise AssertionError("KV slots duplicated between the free list and the cache")
+        self.kv.check(self.tree.total_size(), in_use, None if self.running else self.tree.all_slots())
