@@ -3,9 +3,9 @@
 A separate process polls `GET /health` back to back the whole time; meanwhile this one sends, one phase
 at a time: nothing (the baseline), a text prompt of `--text-mib` MiB, an `input_ids` prompt whose JSON
 fills the HTTP body limit, a text prompt just under the context that the gateway must really tokenize,
-and a bus-API payload over its limit. A streaming request runs through every phase and must finish
-normally (a blocked event loop used to fail it through the worker watchdog). Prints /health p50 / p99 /
-max per phase.
+a bus-API payload of token ids at its limit and one over it. A streaming request runs through every
+phase and must finish normally (a blocked event loop used to fail it through the worker watchdog).
+Prints /health p50 / p99 / max per phase.
 
     sglbus bench health-latency --launch-server
     python -m benchmarks.health_latency --base-url http://127.0.0.1:30000 --nats-url nats://127.0.0.1:4222
@@ -127,15 +127,19 @@ def run(args: argparse.Namespace, base: str, nats_url: str | None, token: str | 
             r = http.post("/generate", content=data, headers={"content-type": "application/json"})
             statuses.setdefault(name, []).append(r.status_code)
     if nats_url and bus_limit:
-        name = f"bus API {(bus_limit >> 20) * 10} MiB payload"
-        poller.mark(name)
+        n_bus = int((bus_limit - 1024) / ids_per_byte)
+        bus_phases = {  # the largest payload the bus API parses, then one over its limit (413 unparsed)
+            f"bus API input_ids x{n_bus} ({bus_limit >> 20} MiB)": orjson.dumps({"input_ids": [7] * n_bus}),
+            f"bus API {(bus_limit >> 20) * 10} MiB payload": b'{"text": "' + b"a" * (bus_limit * 10) + b'"}',
+        }
 
         async def bus() -> None:
             nc = await nats.connect(nats_url, token=token)
-            payload = b'{"text": "' + b"a" * (bus_limit * 10) + b'"}'
-            for _ in range(args.repeat):
-                msg = await nc.request("sglbus.api.generate", payload, timeout=120)
-                statuses.setdefault(name, []).append(orjson.loads(msg.data)["error"]["code"])
+            for name, payload in bus_phases.items():
+                poller.mark(name)
+                for _ in range(args.repeat):
+                    msg = await nc.request("sglbus.api.generate", payload, timeout=120)
+                    statuses.setdefault(name, []).append(orjson.loads(msg.data)["error"]["code"])
             await nc.close()
 
         asyncio.run(bus())

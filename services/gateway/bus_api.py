@@ -16,7 +16,6 @@ from typing import Any
 
 import orjson
 
-from services.gateway.generate_input import parse_body
 from services.gateway.request_manager import RequestManager
 from shared.transport import BusUnavailable, Message, Transport
 
@@ -45,7 +44,7 @@ class BusApi:
             return
         stream = False  # [DONE] ends even a rejection of a stream
         try:
-            stream, parsed = await parse_body(data)
+            stream, parsed = await self.requests.bodies.parse(data)
             if isinstance(parsed, ValueError):
                 raise parsed
             req = parsed

@@ -4,7 +4,6 @@ message naming the field and what is allowed (the HTTP layer turns it into a 400
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -73,27 +72,6 @@ def decode_json(body: bytes) -> Any:
         raise ValueError(f"invalid JSON: {e}") from None
 
 
-async def parse_body(body: bytes) -> tuple[bool, GenerateInput | ValueError]:
-    """A request body: whether it asked for a stream (a rejected stream is still ended as one), and
-    the parsed request or why it is invalid. A large body is parsed on a thread: the event loop keeps
-    serving meanwhile."""
-    if len(body) < _OFF_LOOP_BYTES:
-        return _parse_body(body)
-    return await asyncio.to_thread(_parse_body, body)
-
-
-def _parse_body(body: bytes) -> tuple[bool, GenerateInput | ValueError]:
-    obj = decode_json(body)
-    stream = isinstance(obj, dict) and obj.get("stream") is True
-    try:
-        return stream, parse_generate_input(obj)
-    except ValueError as e:
-        return stream, e
-
-
-_OFF_LOOP_BYTES = 1 << 20
-
-
 def parse_generate_input(obj: Any) -> GenerateInput:
     if not isinstance(obj, dict):
         raise ValueError("the request body must be a JSON object")
@@ -160,6 +138,12 @@ def _inputs(text: Any, ids: Any) -> tuple[list[tuple[str | None, list[int] | Non
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
             raise ValueError("input_ids must contain integers only")
     return [(None, r) for r in rows], is_batch
+
+
+def check_vocabulary(ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"input_ids contains token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
 
 
 def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:

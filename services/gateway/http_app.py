@@ -19,7 +19,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sglbus
-from services.gateway.generate_input import GenerateInput, decode_json, parse_body, parse_generate_input
+from services.gateway.body_parser import BodyParser
+from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
 from services.gateway.service import Gateway
 from shared.transport import BusUnavailable
 
@@ -78,9 +79,9 @@ async def read_json(request: Request, limit: int, parse: bool = True) -> Any:
     return decode_json(bytes(body)) if parse else bytes(body)
 
 
-async def read_request(request: Request, limit: int) -> GenerateInput:
+async def read_request(request: Request, limit: int, bodies: BodyParser) -> GenerateInput:
     """The body as a GenerateInput (ValueError when it is not a valid one)."""
-    _, parsed = await parse_body(await read_json(request, limit, parse=False))
+    _, parsed = await bodies.parse(await read_json(request, limit, parse=False))
     if isinstance(parsed, ValueError):
         raise parsed
     return parsed
@@ -91,7 +92,7 @@ def build_app(gw: Gateway) -> Starlette:
 
     async def generate(request: Request) -> Response:
         try:
-            req = await read_request(request, limit)
+            req = await read_request(request, limit, gw.requests.bodies)
             states = await gw.requests.submit(req)
         except ValueError as e:
             return error(str(e), 400)

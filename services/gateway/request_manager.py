@@ -21,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
+from services.gateway.body_parser import BodyParser
+from services.gateway.generate_input import GenerateInput, Prompt, check_vocabulary, parse_generate_input
 from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
@@ -92,16 +93,19 @@ class RequestManager:
         self._texts: dict[int, str] = {}  # token id -> its text alone, for return_text_in_logprobs
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._token_chars: int | None = None  # see _max_token_chars
+        self.bodies = BodyParser(vocab_size)
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.out_subject, self._on_text)
         # decodes the whole vocabulary once (~0.4 s): now, off the loop, not during a first long prompt
         await asyncio.get_running_loop().run_in_executor(self._pool, self._max_token_chars)
+        await self.bodies.start()
 
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        await self.bodies.stop()
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, obj: dict[str, Any] | GenerateInput) -> dict[str, Any] | list[dict[str, Any]]:
@@ -289,11 +293,7 @@ class RequestManager:
         if p.input_ids is not None:
             if self.context_len is not None:
                 p.sampling.verify_length(len(p.input_ids), self.context_len)
-            bad = [t for t in p.input_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"input_ids contains token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-                )
+            check_vocabulary(p.input_ids, self.vocab_size)
             return p.input_ids
         assert p.text is not None
         self._refuse_far_too_long(p.text)

@@ -1,0 +1,74 @@
+"""Large bodies go through the parsing child process and come back as the in-place parse would give
+them; the child's death costs no request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from services.gateway.body_parser import BodyParser, parse
+
+VOCAB = 1000
+PAD = b" " * (1 << 20)  # JSON whitespace: any body becomes a large one
+
+
+def _big(obj: object) -> bytes:
+    return orjson.dumps(obj) + PAD
+
+
+async def _both(body: bytes):
+    bodies = BodyParser(VOCAB, child_bytes=1 << 20)
+    try:
+        return parse(body), await bodies.parse(body)
+    finally:
+        await bodies.stop()
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"input_ids": [[i % VOCAB for i in range(70_000)], [5, 6]], "sampling_params": {"max_new_tokens": 2}},
+        {"input_ids": [1, 2, 3], "stream": True},
+        {"text": ["a", "b"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]},
+        {"text": "x", "bad_field": 1},
+        {"input_ids": [[1], []]},
+    ],
+)
+def test_child_gives_the_in_place_result(obj):
+    (stream, want), (got_stream, got) = asyncio.run(_both(_big(obj)))
+    assert got_stream == stream
+    if isinstance(want, ValueError):
+        assert isinstance(got, ValueError) and str(got) == str(want)
+        return
+    for a, b in zip(want.prompts, got.prompts, strict=True):
+        assert (a.text, a.input_ids, a.sampling, a.logprob) == (b.text, b.input_ids, b.sampling, b.logprob)
+        assert type(b.input_ids) in (list, type(None))
+    assert (want.is_batch, want.stream) == (got.is_batch, got.stream)
+
+
+def test_child_refuses_ids_outside_the_vocabulary_and_bad_json():
+    _, (_, got) = asyncio.run(_both(b'{"input_ids": [1, %d, 18446744073709551615]}' % VOCAB + PAD))
+    assert isinstance(got, ValueError) and f"outside the vocabulary [0, {VOCAB})" in str(got)
+    _, (_, got) = asyncio.run(_both(b"{not json" + PAD))
+    assert isinstance(got, ValueError) and "invalid JSON" in str(got)
+
+
+def test_a_dead_child_costs_no_request():
+    async def run():
+        bodies = BodyParser(VOCAB)
+        await bodies.start()
+        first = bodies._child
+        assert first is not None
+        first.kill()
+        await first.wait()
+        try:
+            _, a = await bodies.parse(_big({"input_ids": [4, 5]}))  # on a thread, the child being dead
+            _, b = await bodies.parse(_big({"input_ids": [6]}))  # a new child
+            return a, b, bodies._child is not first and bodies._child is not None
+        finally:
+            await bodies.stop()
+
+    a, b, restarted = asyncio.run(run())
+    assert a.prompts[0].input_ids == [4, 5] and b.prompts[0].input_ids == [6] and restarted
