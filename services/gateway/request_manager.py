@@ -99,7 +99,6 @@ class RequestManager:
         self._sub = await self.transport.subscribe(self.out_subject, self._on_text)
         # decodes the whole vocabulary once (~0.4 s): now, off the loop, not during a first long prompt
         await asyncio.get_running_loop().run_in_executor(self._pool, self._max_token_chars)
-        await self.bodies.start()
 
     async def stop(self) -> None:
         if self._sub is not None:

@@ -43,6 +43,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.requests.start()
+        await self.requests.bodies.start()  # its child now, not at the first large body
         s = self.subjects
         # schedulers drop the requests of a gateway whose heartbeat stopped (its clients are gone)
         self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "gateway", self.requests.out_subject,
