@@ -1,0 +1,95 @@
+"""The grammar-backend interface of constrained decoding (issue 10; the request path is not wired yet).
+
+    spec = GrammarSpec("json_schema", '{"type": "object", ...}')     also "regex", "ebnf"
+    compiled = grammars.get(spec)          cached by (kind, text); compiled on a worker thread
+    matcher = compiled.matcher()           one per request: its own parser state
+    matcher.fill_bitmask(row)              allowed next tokens, one bit per token id (int32 words)
+    matcher.accept([t])                    advance; False when a token is not allowed (error state)
+    matcher.rollback(n)                    undo the last n accepted tokens
+    matcher.forced()                       tokens the grammar forces next (jump-forward), maybe []
+    matcher.done                           the grammar can take nothing more but EOS
+
+A grammar that does not compile raises GrammarError with the library's message (a 400 for the
+request); a compile past `timeout_s` raises GrammarError too, and the request ends while the compile
+finishes in the background (its result is cached for the next request with the same grammar).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import torch
+
+KINDS = ("regex", "json_schema", "ebnf")
+
+
+class GrammarError(ValueError):
+    """The grammar cannot be used: it does not parse, or compiling it took too long."""
+
+
+class GrammarSpec(NamedTuple):
+    kind: str  # one of KINDS
+    text: str
+
+
+class Matcher(ABC):
+    @abstractmethod
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        """row: int32 [ceil(vocab / 32)] on the CPU; bit t of word t // 32 set when token t may come next."""
+
+    @abstractmethod
+    def accept(self, tokens: list[int]) -> bool: ...
+
+    @abstractmethod
+    def rollback(self, n: int) -> None: ...
+
+    @abstractmethod
+    def forced(self) -> list[int]: ...
+
+    @property
+    @abstractmethod
+    def done(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def error(self) -> str:
+        """Why the matcher refused a token ('' when it did not)."""
+
+
+class CompiledGrammar(ABC):
+    @abstractmethod
+    def matcher(self) -> Matcher: ...
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, text), compiled on a small thread pool off the step loop."""
+
+    def __init__(self, compile_fn: Callable[[GrammarSpec], CompiledGrammar], workers: int = 2) -> None:
+        self._compile = compile_fn
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self._futures: dict[GrammarSpec, Future[CompiledGrammar]] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """The compile of `spec`, started now or earlier (a failed compile is retried on the next call)."""
+        if spec.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
+        with self._lock:
+            fut = self._futures.get(spec)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._futures[spec] = self._pool.submit(self._compile, spec)
+            return fut
+
+    def get(self, spec: GrammarSpec, timeout_s: float) -> CompiledGrammar:
+        fut = self.submit(spec)
+        try:
+            return fut.result(timeout=timeout_s)
+        except TimeoutError:
+            raise GrammarError(f"compiling the {spec.kind} took longer than {timeout_s:g} s") from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

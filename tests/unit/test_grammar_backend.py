@@ -1,0 +1,120 @@
+"""The llguidance grammar backend on the default model's tokenizer: masks, accept, rollback, forced
+tokens and errors (no model, no bus)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from services.scheduler.constrained.grammar import GrammarCache, GrammarError, GrammarSpec  # noqa: E402
+from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend  # noqa: E402
+from shared.model_config import ModelConfig  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(model_folder):
+    mc = ModelConfig.from_folder(model_folder)
+    backend = LLGuidanceBackend(os.path.join(model_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids)
+    return backend, load_tokenizer(model_folder), mc
+
+
+def allowed(matcher, vocab):
+    row = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+    matcher.fill_bitmask(row)
+    bits = (row.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab].nonzero().flatten().tolist()
+
+
+def walk(compiled, vocab, eos, seed, limit=200):
+    """Random allowed tokens until the grammar is done (or allows EOS and the coin says stop)."""
+    rng, m, out = random.Random(seed), compiled.matcher(), []
+    for _ in range(limit):
+        if m.done:
+            break
+        ok = allowed(m, vocab)
+        assert ok, "the mask allows nothing before the grammar is done"
+        t = rng.choice(ok)
+        if t in eos:
+            break
+        assert m.accept([t]), m.error
+        out.append(t)
+    return out
+
+
+def test_regex_outputs_match(setup):
+    backend, tok, mc = setup
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    compiled = backend.compile(GrammarSpec("regex", pattern))
+    for seed in range(5):
+        text = tok.decode(walk(compiled, mc.vocab_size, mc.eos_token_ids, seed))
+        assert re.fullmatch(pattern, text), text
+
+
+def test_json_schema_outputs_parse_and_follow_it(setup):
+    backend, tok, mc = setup
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+              "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    for seed in range(5):
+        obj = json.loads(tok.decode(walk(compiled, mc.vocab_size, mc.eos_token_ids, seed, limit=400)))
+        assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and len(obj["name"]) <= 8
+
+
+def test_ebnf_and_forced_tokens(setup):
+    backend, tok, mc = setup
+    compiled = backend.compile(GrammarSpec("ebnf", 'root ::= "The answer is " ("yes" | "no")'))
+    m = compiled.matcher()
+    forced = m.forced()
+    assert tok.decode(forced).startswith("The answer")  # a forced run: jump-forward material
+    text = tok.decode(walk(compiled, mc.vocab_size, mc.eos_token_ids, 0))
+    assert text in ("The answer is yes", "The answer is no")
+
+
+def test_rollback_restores_the_mask(setup):
+    backend, tok, mc = setup
+    m = backend.compile(GrammarSpec("regex", r"(ab|cd)+")).matcher()
+    first = allowed(m, mc.vocab_size)
+    t = tok.encode("ab", add_special_tokens=False)
+    assert m.accept(t)
+    assert allowed(m, mc.vocab_size) != first
+    m.rollback(len(t))
+    assert allowed(m, mc.vocab_size) == first
+
+
+def test_a_disallowed_token_is_refused_with_a_reason(setup):
+    backend, tok, mc = setup
+    m = backend.compile(GrammarSpec("regex", r"[0-9]+")).matcher()
+    assert not m.accept(tok.encode("x", add_special_tokens=False))
+    assert m.error
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec("regex", "(unclosed"), GrammarSpec("json_schema", "{not json"),
+                                  GrammarSpec("json_schema", '{"type": "no such type"}'),
+                                  GrammarSpec("ebnf", "root ::= (")])  # fmt: skip
+def test_bad_grammars_raise_grammar_error(setup, spec):
+    with pytest.raises(GrammarError):
+        setup[0].compile(spec)
+
+
+def test_cache_compiles_once_and_retries_a_failure(setup):
+    backend = setup[0]
+    calls = []
+    cache = GrammarCache(lambda spec: calls.append(spec) or backend.compile(spec))
+    spec = GrammarSpec("regex", "a+")
+    assert cache.get(spec, 10) is cache.get(spec, 10)
+    bad = GrammarSpec("regex", "(")
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            cache.get(bad, 10)
+    assert calls.count(spec) == 1 and calls.count(bad) == 2
+    with pytest.raises(GrammarError):
+        cache.get(GrammarSpec("xml", "<a/>"), 10)
+    cache.shutdown()
