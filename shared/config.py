@@ -77,6 +77,9 @@ class EngineConfig:
         "decode many requests over one long cached prefix with the shared-prefix kernel "
         "(triton backend; eager steps, not yet timed on a GPU)",
     )
+    grammar_compile_timeout: float = option(
+        10.0, "seconds; a regex / json_schema / ebnf that takes longer to compile ends its request (400)"
+    )
     random_seed: int = option(0, "sampling seed")
     subject_prefix: str = option("sglbus", "NATS subject prefix (one per model deployment)")
     worker_id: str = option("0", "this scheduler's id; its detokenizer must have the same")

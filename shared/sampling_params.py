@@ -151,9 +151,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Parameters set to a non-default value that the engine cannot honour yet."""
         todo = {
             "stop_regex": [],
-            "regex": None,
-            "json_schema": None,
-            "ebnf": None,
             "structural_tag": None,
         }
         return [k for k, default in todo.items() if getattr(self, k) != default]

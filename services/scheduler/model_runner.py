@@ -62,6 +62,7 @@ class ModelRunner:
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_folder = model_folder
         self.model_config = mc = ModelConfig.from_folder(model_folder)
         ctx = config.context_length or mc.max_position_embeddings
         if mc.sliding_window:  # no sliding-window attention yet: stay where it equals full attention

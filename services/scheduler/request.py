@@ -18,6 +18,7 @@ import itertools
 import time
 from typing import Any
 
+from services.scheduler.constrained.grammar import GrammarSpec, Matcher
 from services.scheduler.radix_cache import TreeNode
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
@@ -30,7 +31,7 @@ class Req:
         "uid", "rid", "prompt", "output", "sampling", "max_new_tokens", "out_subject", "created",
         "arrival", "stop_ids", "num_cached", "num_computed", "last_node", "row", "cached_tokens",
         "finish", "announced", "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
-        "work_token", "attempt", "pending", "pending_at",
+        "work_token", "attempt", "pending", "pending_at", "grammar", "matcher",
     )  # fmt: skip
 
     def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...], context_len: int = 1 << 62) -> None:
@@ -73,6 +74,12 @@ class Req:
         self.lp_pos = min(max(start, 1) - 1, self.lp_end)
         self.lp_in: list[Any] = []
         self.lp_out: list[Any] = []
+        # constrained decoding (services/scheduler/constrained/): the grammar asked for, and the
+        # request's matcher once that grammar compiled (None until then, and without a grammar)
+        s = msg.sampling
+        kind = next((k for k in ("regex", "json_schema", "ebnf") if getattr(s, k) is not None), None)
+        self.grammar = GrammarSpec(kind, getattr(s, kind)) if kind else None
+        self.matcher: Matcher | None = None
 
     @property
     def fill(self) -> list[int]:

@@ -29,6 +29,7 @@ from services.scheduler.logprobs import input_rows
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import Req
 from services.scheduler.sampling.dense_penalties import DensePenaltyProcessor
+from services.scheduler.sampling.grammar_mask import GrammarMaskProcessor
 from services.scheduler.sampling.logit_bias import LogitBiasProcessor
 from services.scheduler.sampling.logprob_capture import LogprobCapture
 from services.scheduler.sampling.min_new_tokens import MinNewTokensProcessor
@@ -82,6 +83,7 @@ class SampleStep:
             self.penalties,
             LogitBiasProcessor(dev),
             MinNewTokensProcessor(dev),
+            GrammarMaskProcessor(vocab, dev),
         ]
         self._sampling: tuple[tuple[int, ...], SamplingInfo] | None = None
 

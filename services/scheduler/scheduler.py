@@ -32,6 +32,8 @@ import torch
 
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.cascade import CascadePlanner
+from services.scheduler.constrained.admission import GrammarAdmission
+from services.scheduler.constrained.grammar import GrammarError
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.host_copy import to_device
 from services.scheduler.model_runner import ModelRunner
@@ -95,6 +97,7 @@ class Scheduler:
         self.timer = StepTimer(runner.device, self.stats)
         mc, on = runner.model_config, config.enable_cascade_attention and runner.attn.supports_cascade
         self.cascade = CascadePlanner(runner.device, mc.num_heads, mc.num_kv_heads) if on else None
+        self.grammars = GrammarAdmission(config, runner)  # compiles off the step loop
         self._log = BatchLog(log)
 
     # -- inputs -------------------------------------------------------------------------------
@@ -230,6 +233,8 @@ class Scheduler:
             left = known + r.pending - r.num_computed
             if r.pending and (len(r.output) + 1 >= r.max_new_tokens or known + 1 >= ctx):
                 plan.append((r, 0))  # its token in flight ends it by length: nothing more to compute
+            elif r.pending and r.matcher is not None:
+                plan.append((r, 0))  # its next mask needs the token in flight: it waits a step
             elif left == 1:
                 plan.append((r, 1))
             else:
@@ -250,6 +255,10 @@ class Scheduler:
         for req in order_waiting(self.waiting, self.tree, self.cfg.schedule_policy, self.cfg.max_queue_wait):
             if budget <= 0 or len(self.running) >= self.max_running or self.req_to_token.free_count == 0:
                 break
+            if req.grammar is not None and not self._grammar_ready(req, now):
+                if req.finish is not None:
+                    failed.append(req)
+                continue  # still compiling: the others go ahead
             match = self.tree.match_prefix(match_key(req))
             cached = len(match.indices)
             if (in_flight is not None and in_flight.covers(req, cached)) or check.hold_back(req, cached):
@@ -295,6 +304,13 @@ class Scheduler:
         if admitted:
             self._log.prefill(self, len(admitted))
         return admitted
+
+    def _grammar_ready(self, req: Req, now: float) -> bool:
+        try:
+            return self.grammars.ready(req, now)
+        except GrammarError as e:  # it does not compile, or took too long: a 400 for this request alone
+            self._finish_now(req, str(e))
+            return False
 
     def _reserve(self, req: Req) -> int:
         """Slots kept for the rest of the request's output, which the context bounds."""
@@ -384,6 +400,15 @@ class Scheduler:
         for r, tok in zip(st.samplers, tokens, strict=True):
             r.pending = 0
             if r.finish is not None:
+                continue
+            # a finished grammar allows only EOS, which its matcher does not take
+            if (
+                r.matcher is not None
+                and not (r.matcher.done and tok in r.stop_ids)
+                and not r.matcher.accept([tok])
+            ):
+                message = f"the {r.grammar.kind} refused token {tok}: {r.matcher.error}"
+                r.finish = {"type": "abort", "message": message, "status_code": 500}
                 continue
             r.output.append(tok)
             r.check_finished(tok, self.context_len)

@@ -75,12 +75,12 @@ class GrammarCache:
         self._lock = threading.Lock()
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
-        """The compile of `spec`, started now or earlier (a failed compile is retried on the next call)."""
+        """The compile of `spec`, started now or earlier (a failure is kept: the same text fails again)."""
         if spec.kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
         with self._lock:
             fut = self._futures.get(spec)
-            if fut is None or (fut.done() and fut.exception() is not None):
+            if fut is None:
                 fut = self._futures[spec] = self._pool.submit(self._compile, spec)
             return fut
 

@@ -1,0 +1,44 @@
+"""The grammar bitmask as a logits processor: the rows of requests with a matcher keep only the
+tokens their grammar allows next (everything else scores -inf). Each matcher fills its row of a
+host int32 bitmask (one bit per token id); one copy to the device, one unpack, one masked write for
+all constrained rows. Rows without a grammar cost nothing. The matchers advance on the host when
+the step's tokens are known (`Scheduler._complete`), not here: under overlap scheduling the drawn
+ids are still on the device when on_sample runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.scheduler.host_copy import to_device
+from services.scheduler.request import Req
+from services.scheduler.sampling.processors import LogitsProcessor
+
+
+class GrammarMaskProcessor(LogitsProcessor):
+    name = "grammar"
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__()
+        self.vocab_size, self.device = vocab_size, device
+        self.words = (vocab_size + 31) // 32
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+
+    def uses(self, req: Req) -> bool:
+        return req.grammar is not None
+
+    @torch.inference_mode()
+    def apply(self, logits: torch.Tensor, reqs: Sequence[Req], output_lens: torch.Tensor) -> None:
+        if not self.active:
+            return
+        idx = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not idx:
+            return
+        host = torch.zeros((len(idx), self.words), dtype=torch.int32)
+        for j, i in enumerate(idx):
+            reqs[i].matcher.fill_bitmask(host[j])
+        words = to_device(host, torch.int32, self.device)
+        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(len(idx), -1)[:, : logits.shape[1]]
+        rows = to_device(idx, torch.int64, self.device)
+        logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
