@@ -7,6 +7,7 @@ naming the field and what is allowed. The scheduler runs the same checks on what
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -66,6 +67,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 clean[key] = [clean[key]]
         if isinstance(clean.get("stop_token_ids"), int):
             clean["stop_token_ids"] = [clean["stop_token_ids"]]
+        if isinstance(clean.get("json_schema"), dict):  # SGLang takes a JSON string; an object works too
+            clean["json_schema"] = json.dumps(clean["json_schema"])
         try:
             return msgspec.convert(clean, cls, strict=False)
         except msgspec.ValidationError as e:
@@ -146,6 +149,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("stop", "non-empty strings")
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
             raise ValueError("sampling_params: only one of regex, json_schema, ebnf may be set")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"sampling_params.json_schema is not JSON ({e}); allowed: a JSON schema, "
+                                 "as a string or an object") from None  # fmt: skip
+            if not isinstance(schema, dict | bool):
+                bad("json_schema", "a JSON schema: an object (or true / false)")
+        for key in ("regex", "ebnf", "json_schema"):
+            if getattr(self, key) == "":
+                bad(key, "a non-empty string")
 
     def unsupported(self) -> list[str]:
         """Parameters set to a non-default value that the engine cannot honour yet."""

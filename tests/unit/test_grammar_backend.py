@@ -60,8 +60,9 @@ def test_regex_outputs_match(setup):
 
 def test_json_schema_outputs_parse_and_follow_it(setup):
     backend, tok, mc = setup
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-              "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    props = {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}
+    schema = {"type": "object", "properties": props, "required": ["name", "age"]}
+    schema["additionalProperties"] = False
     compiled = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
     for seed in range(5):
         obj = json.loads(tok.decode(walk(compiled, mc.vocab_size, mc.eos_token_ids, seed, limit=400)))

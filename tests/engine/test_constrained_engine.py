@@ -1,0 +1,56 @@
+"""Constrained decoding through the engine on the default model: regex, JSON schema and EBNF outputs
+follow their grammar, greedy and sampled, mixed with unconstrained requests in one batch; a grammar
+that does not compile ends only its own request with a 400."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+          "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"],
+          "additionalProperties": False}  # fmt: skip
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def test_grammars_hold_in_a_mixed_batch(engine):
+    prompts = ["Call me at", "A person as JSON:", "Is the sky blue? Answer:", "Once upon a time"]
+    params = [
+        {"temperature": 0, "max_new_tokens": 24, "regex": PHONE},
+        {"temperature": 0.9, "max_new_tokens": 64, "json_schema": json.dumps(SCHEMA), "sampling_seed": 1},
+        {"temperature": 0, "max_new_tokens": 8, "ebnf": 'root ::= "yes" | "no"'},
+        {"temperature": 0, "max_new_tokens": 8},
+    ]
+    phone, person, answer, free = engine.generate(prompts, params)
+    assert re.fullmatch(PHONE, phone["text"]), phone["text"]
+    obj = json.loads(person["text"])
+    assert set(obj) == {"name", "age"} and 0 <= obj["age"] <= 120 and len(obj["name"]) <= 10
+    assert answer["text"] in ("yes", "no")
+    for o in (phone, person, answer):
+        assert o["meta_info"]["finish_reason"]["type"] == "stop"
+    assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+def test_a_bad_grammar_ends_only_its_request(engine):
+    bad, good = engine.generate(
+        ["x", "y"], [{"max_new_tokens": 4, "regex": "(unclosed"}, {"max_new_tokens": 4, "temperature": 0}]
+    )
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+    assert bad["meta_info"]["finish_reason"]["status_code"] == 400
+    assert "regex" in bad["meta_info"]["finish_reason"]["message"]
+    assert good["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_grammars_hold_under_overlap_scheduling(make_engine):
+    """The GPU's default loop on CPU: a constrained request waits out the step its token is in flight."""
+    engine = make_engine(disable_overlap_schedule=False)
+    phone = [{"temperature": 0.7, "max_new_tokens": 24, "regex": PHONE, "sampling_seed": s} for s in range(3)]
+    free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    outs = engine.generate(["Call me at"] * 3 + ["Tell me"], [*phone, free])
+    for o in outs[:3]:
+        assert re.fullmatch(PHONE, o["text"]), o["text"]
+    assert outs[3]["meta_info"]["completion_tokens"] == 12
