@@ -25,6 +25,7 @@ from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, Prompt, check_vocabulary, parse_generate_input
 from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
+from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
 from shared.transport import ACK, Message, Subjects, Subscription, Transport
 
@@ -147,7 +148,7 @@ class RequestManager:
 
     async def _checked_ids(self, p: Prompt) -> list[int]:
         """`_validate` on a thread for a long prompt, so the event loop keeps answering."""
-        if len(p.text or p.input_ids or ()) <= _OFF_LOOP_LEN:
+        if len(p.text or p.input_ids or ()) <= _OFF_LOOP_LEN and grammar_of(p.sampling) is None:
             return self._validate(p)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._validate, p)
 
@@ -155,6 +156,9 @@ class RequestManager:
         """The prompt's token ids, after every check that needs the tokenizer or the vocabulary."""
         ids = self._tokenize(p)
         p.sampling.verify(self.vocab_size)
+        grammar = grammar_of(p.sampling)
+        if grammar is not None:
+            check_grammar(*grammar)  # a 400 here, not a compile failure in a scheduler
         todo = p.sampling.unsupported()
         if todo:
             names = ", ".join(todo)

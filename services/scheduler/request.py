@@ -20,6 +20,7 @@ from typing import Any
 
 from services.scheduler.constrained.grammar import GrammarSpec, Matcher
 from services.scheduler.radix_cache import TreeNode
+from shared.grammar_text import grammar_of
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
@@ -76,9 +77,8 @@ class Req:
         self.lp_out: list[Any] = []
         # constrained decoding (services/scheduler/constrained/): the grammar asked for, and the
         # request's matcher once that grammar compiled (None until then, and without a grammar)
-        s = msg.sampling
-        kind = next((k for k in ("regex", "json_schema", "ebnf") if getattr(s, k) is not None), None)
-        self.grammar = GrammarSpec(kind, getattr(s, kind)) if kind else None
+        grammar = grammar_of(msg.sampling)
+        self.grammar = GrammarSpec(*grammar) if grammar else None
         self.matcher: Matcher | None = None
 
     @property

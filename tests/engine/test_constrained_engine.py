@@ -8,6 +8,10 @@ import json
 import re
 
 import pytest
+from bus_probe import BusProbe
+
+from shared.messages import GenerateReq
+from shared.sampling_params import SamplingParams
 
 pytest.importorskip("llguidance")
 
@@ -35,14 +39,20 @@ def test_grammars_hold_in_a_mixed_batch(engine):
     assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
 
 
-def test_a_bad_grammar_ends_only_its_request(engine):
-    bad, good = engine.generate(
-        ["x", "y"], [{"max_new_tokens": 4, "regex": "(unclosed"}, {"max_new_tokens": 4, "temperature": 0}]
-    )
-    assert bad["meta_info"]["finish_reason"]["type"] == "abort"
-    assert bad["meta_info"]["finish_reason"]["status_code"] == 400
-    assert "regex" in bad["meta_info"]["finish_reason"]["message"]
-    assert good["meta_info"]["finish_reason"]["type"] == "length"
+def test_a_bad_grammar_is_a_400_and_ends_only_its_request(engine):
+    with pytest.raises(ValueError, match=r"sampling_params.regex is invalid: .*unclosed group"):
+        engine.generate("x", {"max_new_tokens": 4, "regex": "(unclosed"})  # the gateway's check
+    # straight to the scheduler (the gateway skipped): it fails to compile there, alone
+    bad = GenerateReq(rid="bad-grammar", input_ids=[1, 2], out_subject="sglbus.out.grammar-test",
+                      sampling=SamplingParams(max_new_tokens=4, ebnf="root ::= missing"))  # fmt: skip
+    with BusProbe(engine, bad.out_subject) as probe:
+        probe.send(bad)
+        good = engine.generate("y", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        out = probe.final()
+    assert good["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    reason = out.meta["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400 and out.output_ids == []
+    assert "sampling_params.ebnf" in reason["message"] and "missing" in reason["message"]
 
 
 def test_grammars_hold_under_overlap_scheduling(make_engine):

@@ -5,11 +5,11 @@ keep short requests queued past max_queue_wait."""
 from __future__ import annotations
 
 import math
-import queue
 
 import pytest
+from bus_probe import BusProbe
 
-from shared.messages import BatchTextOut, Decoder, GenerateReq, encode
+from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
 PROMPT = "The capital of France is"
@@ -45,25 +45,13 @@ def test_unbounded_max_new_tokens_is_a_400_naming_both_numbers(engine):
 
 def test_a_nan_temperature_straight_off_the_bus_is_refused_alone(engine, alone):
     """What an anonymous client on the bus could publish: the scheduler checks it again."""
-    got: queue.Queue = queue.Queue()
-    subject = "sglbus.out.fault-isolation-test"
-    dec = Decoder(BatchTextOut)
-
-    async def on_text(m) -> None:
-        for out in dec(m.data).outs:
-            got.put(out)
-
-    sub = engine._run(engine.transport.subscribe(subject, on_text))
-    try:
-        ids = engine.tokenizer.encode(PROMPT)
-        bad = GenerateReq(rid="nan-temp", input_ids=ids, out_subject=subject,
-                          sampling=SamplingParams(temperature=math.nan, max_new_tokens=4))  # fmt: skip
-        wire = Decoder(GenerateReq)(encode(bad))  # NaN survives msgpack, as on NATS
-        engine._on_scheduler(lambda s: s.add_request(wire))
+    ids = engine.tokenizer.encode(PROMPT)
+    bad = GenerateReq(rid="nan-temp", input_ids=ids, out_subject="sglbus.out.fault-isolation-test",
+                      sampling=SamplingParams(temperature=math.nan, max_new_tokens=4))  # fmt: skip
+    with BusProbe(engine, bad.out_subject) as probe:
+        probe.send(bad)
         assert engine.generate(PROMPT, GREEDY)["output_ids"] == alone
-        out = got.get(timeout=30)
-    finally:
-        engine._run(sub.unsubscribe())
+        out = probe.final(timeout=30)
     assert out.rid == "nan-temp" and out.finished and out.output_ids == []
     reason = out.meta["finish_reason"]
     assert reason["type"] == "abort" and reason["status_code"] == 400

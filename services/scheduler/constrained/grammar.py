@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-KINDS = ("regex", "json_schema", "ebnf")
+from shared.grammar_text import KINDS
 
 
 class GrammarError(ValueError):

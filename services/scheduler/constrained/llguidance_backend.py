@@ -9,11 +9,10 @@ request gets a deep copy (cheaper than building it again).
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from services.scheduler.constrained.grammar import CompiledGrammar, GrammarError, GrammarSpec, Matcher
+from shared.grammar_text import grammar_text, one_line
 
 
 class LLGuidanceMatcher(Matcher):
@@ -59,33 +58,15 @@ class LLGuidanceBackend:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
         self.vocab_size = vocab_size
 
-    def grammar_text(self, spec: GrammarSpec) -> str:
-        M = self._llg.LLMatcher
-        if spec.kind == "regex":
-            return M.grammar_from_regex(spec.text)
-        if spec.kind == "json_schema":
-            try:
-                schema = json.loads(spec.text)
-            except json.JSONDecodeError as e:
-                raise GrammarError(f"json_schema is not JSON: {e}") from None
-            try:
-                # fixed separators, no free whitespace: a model cannot loop on blank space
-                return M.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
-            except ValueError as e:
-                raise GrammarError(f"json_schema: {e}") from None
-        from llguidance.gbnf_to_lark import any_to_lark
-
-        try:
-            return M.grammar_from_lark(any_to_lark(spec.text))
-        except Exception as e:  # the converter's own parse errors
-            raise GrammarError(f"ebnf: {e}") from None
-
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        text = self.grammar_text(spec)
+        try:
+            text = grammar_text(spec.kind, spec.text)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
         error = self._llg.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
-            raise GrammarError(f"{spec.kind}: {error}")
+            raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(error)}")
         m = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
-            raise GrammarError(f"{spec.kind}: {m.get_error()}")
+            raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(m.get_error())}")
         return LLGuidanceGrammar(m)
