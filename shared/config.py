@@ -77,6 +77,9 @@ class EngineConfig:
         "decode many requests over one long cached prefix with the shared-prefix kernel "
         "(triton backend; eager steps, not yet timed on a GPU)",
     )
+    disable_jump_forward: bool = option(
+        False, "decode a grammar's forced continuations one token per step (for comparison)"
+    )
     grammar_compile_timeout: float = option(
         10.0, "seconds; a regex / json_schema / ebnf that takes longer to compile ends its request (400)"
     )

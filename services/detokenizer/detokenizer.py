@@ -3,7 +3,8 @@
 Per request we decode a small window of ids (from `prefix_offset`) and only accept new text when it
 does not end in U+FFFD, so a multi-byte character split across tokens is never emitted half-done.
 Text that could still turn into a stop string is held back, so a streaming client never receives
-text that is trimmed later.
+text that is trimmed later. A row whose offset is below the ids we hold replaces them from there
+(jump-forward's retokenization: the same text, other tokens); one above them means a lost message.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Detokenizer:
             msg.rids, msg.token_ids, msg.cached_tokens, msg.offsets, msg.finish_reasons, logprobs, strict=True
         ):
             st = self._states.get(rid)
-            if st is None or st.broken or offset != len(st.ids):
+            if st is None or st.broken or offset > len(st.ids):
                 # NATS is at-most-once: never return a gap; the work queue runs the request again
                 if st is not None:
                     st.broken = True
@@ -68,6 +69,8 @@ class Detokenizer:
                     stopped.append(AbortReq(rids=[rid], restart=True))
                 continue
             try:
+                if offset < len(st.ids):
+                    self._replace(st, offset)
                 st.ids.extend(tokens)
                 matched = self._advance(st, finish)
             except Exception as e:  # one request's text must not break the others'
@@ -96,6 +99,16 @@ class Detokenizer:
         self._states[info.rid] = _State(info)
         self._done.pop(info.rid, None)
         self._restarting.pop(info.rid, None)
+
+    def _replace(self, st: _State, offset: int) -> None:
+        """The scheduler retokenized (jump-forward): its ids from `offset` on replace ours. They decode
+        to the same bytes, and `offset` is on a character boundary, so the text is rebuilt up to
+        `offset` and grows back to what was sent; the gateway gets the ids from `offset` again."""
+        del st.ids[offset:]
+        skip = st.info.skip_special_tokens
+        st.text = self._decode(st.ids, skip_special_tokens=skip)
+        st.prefix_offset, st.read_offset = max(0, offset - 5), offset
+        st.sent_ids = min(st.sent_ids, offset)
 
     def _advance(self, st: _State, finish: dict | None) -> str | None:
         skip = st.info.skip_special_tokens

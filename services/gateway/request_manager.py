@@ -356,7 +356,7 @@ class RequestManager:
             if st.broken:
                 continue
             st.updated = time.monotonic()
-            if out.offset != len(st.output_ids):
+            if out.offset > len(st.output_ids):
                 # NATS is at-most-once: never return a gap; the work queue runs the request again
                 log.warning("%s: %d output tokens lost on the bus; restarting it", st.rid,
                             out.offset - len(st.output_ids))  # fmt: skip
@@ -371,7 +371,8 @@ class RequestManager:
                 await self.transport.settle_work(out.work_token, ACK)
 
     def _add(self, st: _State, out: TextOut) -> None:
-        st.text += out.text
+        st.text += out.text  # append-only: a retokenization replaces ids, never text
+        del st.output_ids[out.offset :]  # (an offset below our length: those ids were retokenized)
         st.output_ids.extend(out.output_ids)
         if out.logprobs is not None and st.logprobs is not None:
             st.logprobs.add(out.logprobs)

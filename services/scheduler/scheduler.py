@@ -34,6 +34,7 @@ from services.scheduler.batch_log import BatchLog
 from services.scheduler.cascade import CascadePlanner
 from services.scheduler.constrained.admission import GrammarAdmission
 from services.scheduler.constrained.grammar import GrammarError
+from services.scheduler.constrained.jump_forward import GrammarDecode
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.host_copy import to_device
 from services.scheduler.model_runner import ModelRunner
@@ -98,6 +99,8 @@ class Scheduler:
         mc, on = runner.model_config, config.enable_cascade_attention and runner.attn.supports_cascade
         self.cascade = CascadePlanner(runner.device, mc.num_heads, mc.num_kv_heads) if on else None
         self.grammars = GrammarAdmission(config, runner)  # compiles off the step loop
+        self.grammar_decode = GrammarDecode(self.kv, self.req_to_token, self.context_len,
+                                            not config.disable_jump_forward, self.stats)  # fmt: skip
         self._log = BatchLog(log)
 
     # -- inputs -------------------------------------------------------------------------------
@@ -307,10 +310,16 @@ class Scheduler:
 
     def _grammar_ready(self, req: Req, now: float) -> bool:
         try:
-            return self.grammars.ready(req, now)
+            if not self.grammars.ready(req, now):
+                return False
         except GrammarError as e:  # it does not compile, or took too long: a 400 for this request alone
             self._finish_now(req, str(e))
             return False
+        if not req.output:  # a forced start: prefilled with the prompt
+            self.grammar_decode.jump(req, self.grammars.retokenizer)
+            if req.output:
+                self.output.emit(req, req.output[:])
+        return req.finish is None
 
     def _reserve(self, req: Req) -> int:
         """Slots kept for the rest of the request's output, which the context bounds."""
@@ -401,18 +410,14 @@ class Scheduler:
             r.pending = 0
             if r.finish is not None:
                 continue
-            # a finished grammar allows only EOS, which its matcher does not take
-            if (
-                r.matcher is not None
-                and not (r.matcher.done and tok in r.stop_ids)
-                and not r.matcher.accept([tok])
-            ):
-                message = f"the {r.grammar.kind} refused token {tok}: {r.matcher.error}"
-                r.finish = {"type": "abort", "message": message, "status_code": 500}
+            if r.matcher is not None and not self.grammar_decode.accept(r, tok):
                 continue
             r.output.append(tok)
             r.check_finished(tok, self.context_len)
-            self.output.emit(r, [tok])
+            start = len(r.output) - 1
+            if r.matcher is not None and r.finish is None:
+                start = min(start, self.grammar_decode.jump(r, self.grammars.retokenizer))
+            self.output.emit(r, r.output[start:])
             generated += 1
         self.stats["generated_tokens"] += generated
         for r in st.batch:  # max_new_tokens == 0: finished once the prompt is in

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from services.scheduler.constrained.grammar import GrammarCache, GrammarError
+from services.scheduler.constrained.grammar import GrammarCache, GrammarError, Retokenizer
 
 if TYPE_CHECKING:
+    from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
     from services.scheduler.model_runner import ModelRunner
     from services.scheduler.request import Req
     from shared.config import SchedulerConfig
@@ -22,6 +23,7 @@ class GrammarAdmission:
         self._tokenizer_folder = config.tokenizer_path or runner.model_folder
         self._model = runner.model_config
         self._cache: GrammarCache | None = None  # built at the first request with a grammar
+        self._backend: LLGuidanceBackend | None = None
 
     def ready(self, req: Req, now: float) -> bool:
         """Whether req's matcher is there (made now if its grammar just compiled); False while it
@@ -44,13 +46,19 @@ class GrammarAdmission:
         if self._cache is not None:
             self._cache.shutdown()
 
+    @property
+    def retokenizer(self) -> Retokenizer:
+        self._grammars()
+        assert self._backend is not None
+        return self._backend
+
     def _grammars(self) -> GrammarCache:
         if self._cache is None:
             from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
 
             mc = self._model
-            backend = LLGuidanceBackend(
+            self._backend = LLGuidanceBackend(
                 os.path.join(self._tokenizer_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
             )
-            self._cache = GrammarCache(backend.compile)
+            self._cache = GrammarCache(self._backend.compile)
         return self._cache

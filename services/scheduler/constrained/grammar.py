@@ -1,10 +1,11 @@
-"""The grammar-backend interface of constrained decoding (issue 10; the request path is not wired yet).
+"""The grammar-backend interface of constrained decoding.
 
     spec = GrammarSpec("json_schema", '{"type": "object", ...}')     also "regex", "ebnf"
     compiled = grammars.get(spec)          cached by (kind, text); compiled on a worker thread
     matcher = compiled.matcher()           one per request: its own parser state
     matcher.fill_bitmask(row)              allowed next tokens, one bit per token id (int32 words)
     matcher.accept([t])                    advance; False when a token is not allowed (error state)
+    matcher.validate(ts)                   how many of ts it would accept, consuming nothing
     matcher.rollback(n)                    undo the last n accepted tokens
     matcher.forced()                       tokens the grammar forces next (jump-forward), maybe []
     matcher.done                           the grammar can take nothing more but EOS
@@ -45,6 +46,10 @@ class Matcher(ABC):
     def accept(self, tokens: list[int]) -> bool: ...
 
     @abstractmethod
+    def validate(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar would accept now (nothing consumed)."""
+
+    @abstractmethod
     def rollback(self, n: int) -> None: ...
 
     @abstractmethod
@@ -63,6 +68,15 @@ class Matcher(ABC):
 class CompiledGrammar(ABC):
     @abstractmethod
     def matcher(self) -> Matcher: ...
+
+
+class Retokenizer(ABC):
+    """The model's own tokenizer, as jump-forward needs it."""
+
+    @abstractmethod
+    def retokenize(self, tokens: list[int]) -> list[int] | None:
+        """The canonical tokens of the bytes `tokens` decode to, or None when those bytes are not whole
+        UTF-8 characters or any of `tokens` is a special token (nothing to retokenize then)."""
 
 
 class GrammarCache:

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from services.scheduler.constrained.grammar import CompiledGrammar, GrammarError, GrammarSpec, Matcher
+from services.scheduler.constrained.grammar import (
+    CompiledGrammar,
+    GrammarError,
+    GrammarSpec,
+    Matcher,
+    Retokenizer,
+)
 from shared.grammar_text import grammar_text, one_line
 
 
@@ -25,6 +31,9 @@ class LLGuidanceMatcher(Matcher):
 
     def accept(self, tokens: list[int]) -> bool:
         return self._m.consume_tokens(tokens)
+
+    def validate(self, tokens: list[int]) -> int:
+        return self._m.validate_tokens(tokens)
 
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):
@@ -50,7 +59,7 @@ class LLGuidanceGrammar(CompiledGrammar):
         return LLGuidanceMatcher(self._pristine.deep_copy())
 
 
-class LLGuidanceBackend:
+class LLGuidanceBackend(Retokenizer):
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         import llguidance
 
@@ -70,3 +79,15 @@ class LLGuidanceBackend:
         if m.is_error():
             raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(m.get_error())}")
         return LLGuidanceGrammar(m)
+
+    def retokenize(self, tokens: list[int]) -> list[int] | None:
+        tok = self.tokenizer
+        if any(tok.is_special_token(t) for t in tokens):
+            return None
+        data = tok.decode_bytes(tokens)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        new = tok.tokenize_bytes(data)
+        return new if tok.decode_bytes(new) == data else None

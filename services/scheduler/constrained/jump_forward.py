@@ -1,0 +1,94 @@
+"""Grammar decoding at the end of a step (`Scheduler._complete`): the sampled token goes through the
+request's matcher, then, where the grammar allows only one continuation, jump-forward appends all of
+it at once (the paper's compressed FSM, §4 and Appendix B of seed 001).
+
+Retokenization (the paper's fix for the boundary problem): the forced tokens alone are not always
+the tokens the model would have seen; `{` then a forced `"name` gives `{` `"` `name`, where the
+tokenizer writes `{"` `name`. So the last few output tokens and the forced ones are tokenized again
+as one string, and the output from the first token that changed is replaced: the matcher rolls back
+over the old tokens and takes the new ones, the KV of replaced positions is freed (the next step
+prefills every new token in one extend), and the detokenizer and gateway get the tokens from that
+offset again (`BatchTokenOut.offsets`: an offset below the length they hold replaces from there; the
+text is the same bytes, so what a client already received stays right). Only tokens the request
+alone holds are replaced, never a prefix already in the radix tree; a tail that is not whole UTF-8
+characters, or holds a special token, is not retokenized (the forced tokens are appended as they
+are). Requests that asked for logprobs do not jump (forced tokens have no logprobs), and penalties
+count sampled tokens only."""
+
+from __future__ import annotations
+
+from services.scheduler.constrained.grammar import Retokenizer
+from services.scheduler.memory import KVPool, ReqToTokenPool
+from services.scheduler.request import Req
+
+RETOKENIZE_TAIL = 4  # output tokens before a forced continuation that retokenization may merge with it
+
+
+class GrammarDecode:
+    def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, context_len: int,
+                 jump_forward: bool, stats: dict) -> None:  # fmt: skip
+        self.kv, self.req_to_token, self.context_len = kv, req_to_token, context_len
+        self.jump_forward, self.stats = jump_forward, stats
+        stats.update(jump_forward_steps=0, jump_forward_tokens=0, retokenized=0)
+
+    def accept(self, r: Req, tok: int) -> bool:
+        """Advance r's matcher by its sampled token; False (and r aborted) when the grammar refuses it.
+        A finished grammar allows only EOS, which its matcher does not take."""
+        m = r.matcher
+        assert m is not None and r.grammar is not None
+        if (m.done and tok in r.stop_ids) or m.accept([tok]):
+            return True
+        message = f"the {r.grammar.kind} refused token {tok}: {m.error}"
+        r.finish = {"type": "abort", "message": message, "status_code": 500}
+        return False
+
+    def jump(self, r: Req, retokenizer: Retokenizer) -> int:
+        """After r's sampled token was appended: append its forced continuation, if any; returns the
+        output index from which r's tokens are new or replaced (len(r.output) when nothing moved)."""
+        m, out = r.matcher, r.output
+        assert m is not None
+        room = min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - len(out)
+        forced = m.forced()[:room] if self.jump_forward and r.lp is None and room > 0 else []
+        if not forced:
+            return len(out)
+        tail = self._tail(r)
+        new = retokenizer.retokenize(out[len(out) - tail :] + forced) if tail else None
+        keep = len(out)
+        if new is not None and new != out[len(out) - tail :] + forced:
+            same = _common(out[len(out) - tail :], new)
+            changed = new[same:][: room + tail - same]
+            m.rollback(tail - same)
+            if m.validate(changed) == len(changed):
+                keep, forced = len(out) - tail + same, changed
+                self.stats["retokenized"] += 1
+            else:  # the grammar does not take the canonical tokens: the old ones back, forced as they are
+                m.accept(out[len(out) - tail + same :])
+        assert m.accept(forced), m.error
+        self._replace(r, keep, forced)
+        self.stats["jump_forward_steps"] += 1
+        self.stats["jump_forward_tokens"] += len(forced)
+        return keep
+
+    def _tail(self, r: Req) -> int:
+        """Output tokens at the end that retokenization may replace: not in the radix tree."""
+        return min(RETOKENIZE_TAIL, len(r.output) - max(r.num_cached - len(r.prompt), 0))
+
+    def _replace(self, r: Req, keep: int, tokens: list[int]) -> None:
+        del r.output[keep:]
+        start = len(r.prompt) + keep
+        if r.num_computed > start:  # KV of replaced tokens: freed, computed again with the new ones
+            assert start >= r.num_cached, "a replaced token is in the radix tree"
+            self.kv.free(self.req_to_token.table[r.row, start : r.num_computed].clone())
+            r.num_computed = start
+        for tok in tokens:
+            r.output.append(tok)
+            r.check_finished(tok, self.context_len)
+            if r.finish is not None:
+                break
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
