@@ -64,3 +64,31 @@ def test_grammars_hold_under_overlap_scheduling(make_engine):
     for o in outs[:3]:
         assert re.fullmatch(PHONE, o["text"]), o["text"]
     assert outs[3]["meta_info"]["completion_tokens"] == 12
+
+
+PEOPLE = [("Alice", 31, "Paris"), ("Bob", 45, "Berlin"), ("Chen", 22, "Shanghai")]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+          "age": {"type": "integer", "minimum": 0, "maximum": 120}, "city": {"type": "string",
+          "maxLength": 20}}, "required": ["name", "age", "city"], "additionalProperties": False}  # fmt: skip
+
+
+def test_jump_forward_saves_steps_and_streams_right_text(make_engine):
+    prompts = [f"Passage: {n} is {a} years old and lives in {c}.\nThe person as JSON:" for n, a, c in PEOPLE]
+    params = {"temperature": 0, "max_new_tokens": 64, "json_schema": json.dumps(PERSON)}
+    steps = {}
+    for jump in (False, True):
+        engine = make_engine(disable_jump_forward=not jump)
+        outs = engine.generate(prompts, [params] * len(prompts))
+        for o in outs:
+            obj = json.loads(o["text"])
+            assert set(obj) == {"name", "age", "city"} and o["meta_info"]["finish_reason"]["type"] == "stop"
+            assert engine.tokenizer.decode(o["output_ids"], skip_special_tokens=True) == o["text"]
+        stats = engine.get_stats()
+        steps[jump] = stats["steps"]
+        assert (stats["jump_forward_tokens"] > 0) == jump
+        if jump:  # a stream: every chunk's text is a prefix of the final one, ids and text agree
+            chunks = list(engine.generate(prompts[1], params, stream=True))
+            final = chunks[-1]
+            assert final["text"] == outs[1]["text"] and final["output_ids"] == outs[1]["output_ids"]
+            assert all(final["text"].startswith(c["text"]) for c in chunks)
+    assert steps[True] < 0.8 * steps[False]

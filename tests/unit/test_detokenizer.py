@@ -96,3 +96,24 @@ def test_a_detokenization_failure_ends_that_request_alone():
     assert "bad id" in bad.meta["finish_reason"]["message"]
     assert good.text == "a" and not good.finished
     assert stopped == [AbortReq(rids=["bad"])]
+
+
+class Pairs(Letters):
+    """Letters, and token 26 + i for the two letters chr(97 + i) chr(98 + i) ("bc" is 27)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i) if i < 26 else chr(71 + i) + chr(72 + i) for i in ids)
+
+
+def test_a_lower_offset_replaces_ids_and_keeps_the_text():
+    """Jump-forward's retokenization: "b" then a forced "c" become the one token "bc"; the text the
+    client got stays, only the new character is sent, and the ids from the offset come again."""
+    d = Detokenizer(Pairs())
+    d.step(step("r", [0, 1], 0, announce=info("r")))  # "ab"
+    outs, stopped = d.step(step("r", [27, 3], 1))  # from offset 1: "bc" "d"
+    (out,) = outs["gw"].outs
+    assert (out.text, out.output_ids, out.offset) == ("cd", [27, 3], 1) and not stopped
+    outs, _ = d.step(step("r", [4], 3, {"type": "length", "length": 4}))
+    (out,) = outs["gw"].outs
+    assert (out.text, out.output_ids, out.offset) == ("e", [4], 3)
+    assert out.finished and out.meta["completion_tokens"] == 4
