@@ -71,6 +71,7 @@ class NewReqInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     out_subject: str
     prompt_tokens: int
     stop: list[str] = []
+    stop_regex: list[str] = []
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -98,6 +99,9 @@ class BatchTokenOut(msgspec.Struct, kw_only=True, omit_defaults=True):
 class TextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     rid: str
     text: str  # delta since the last TextOut of this request
+    text_offset: int = (
+        0  # characters before this delta: lower than the text held only when a stop_regex cut it
+    )
     output_ids: list[int]  # delta
     offset: int = 0  # output ids sent before this delta: a gap means the bus lost a message
     attempt: int = 1  # which delivery of the request produced it (see NewReqInfo)

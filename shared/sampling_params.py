@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import msgspec
+import regex
 
 # Below this temperature sampling is greedy (SGLang's rule).
 GREEDY_TEMPERATURE = 1e-6
@@ -147,6 +148,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )
         if any(not s for s in self.stop):
             bad("stop", "non-empty strings")
+        for pattern in self.stop_regex:
+            try:
+                empty = regex.compile(pattern).fullmatch("", timeout=0.05) is not None
+            except (regex.error, TimeoutError) as e:
+                raise ValueError(f"sampling_params.stop_regex {pattern!r} is not a regular expression "
+                                 f"({e}); allowed: Python regular expressions") from None  # fmt: skip
+            if empty:
+                bad("stop_regex", "regular expressions that match at least one character")
         if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
             raise ValueError("sampling_params: only one of regex, json_schema, ebnf may be set")
         if self.json_schema is not None:
@@ -163,8 +172,5 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def unsupported(self) -> list[str]:
         """Parameters set to a non-default value that the engine cannot honour yet."""
-        todo = {
-            "stop_regex": [],
-            "structural_tag": None,
-        }
+        todo = {"structural_tag": None}
         return [k for k, default in todo.items() if getattr(self, k) != default]

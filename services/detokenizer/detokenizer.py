@@ -14,8 +14,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
 from shared.messages import AbortReq, BatchTextOut, BatchTokenOut, NewReqInfo, TextOut
 
+_REGEX_TIMEOUT_S = 0.05  # per stop_regex search
 _FORGET_AFTER = 100_000  # finished rids remembered, to drop tokens that arrive after a stop string
 
 log = logging.getLogger(__name__)
@@ -122,16 +125,25 @@ class Detokenizer:
             if len(window) > len(prefix) and not window.endswith("\ufffd"):
                 st.text += window[len(prefix) :]
                 st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
-        return self._match_stop(st) if st.info.stop else None
+        return self._match_stop(st) if st.info.stop or st.info.stop_regex else None
 
     def _match_stop(self, st: _State) -> str | None:
+        """The earliest stop string, or text a stop_regex matches (searched over the whole text: a
+        match may be of any length); the text is cut before it (after it with no_stop_trim)."""
         stops = st.info.stop
-        start = max(0, st.sent_text - max(map(len, stops)))
+        start = max(0, st.sent_text - max(map(len, stops))) if stops else 0
         best: tuple[int, str] | None = None
         for s in stops:
             pos = st.text.find(s, start)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
+        for pattern in st.info.stop_regex:
+            try:  # `regex`, not `re`: a client's pattern must not hold this service (the request fails)
+                m = regex.search(pattern, st.text, timeout=_REGEX_TIMEOUT_S)
+            except TimeoutError:
+                raise ValueError(f"stop_regex {pattern!r} took over {_REGEX_TIMEOUT_S:g} s") from None
+            if m is not None and (best is None or m.start() < best[0]):
+                best = (m.start(), m.group())
         if best is None:
             return None
         pos, s = best
@@ -140,9 +152,12 @@ class Detokenizer:
 
     def _out(self, st: _State, finish: dict | None, cached: int) -> TextOut:
         end = len(st.text) if finish is not None else len(st.text) - _stop_prefix_len(st.text, st.info.stop)
-        end = max(end, st.sent_text)
-        out = TextOut(rid=st.info.rid, text=st.text[st.sent_text : end], output_ids=st.ids[st.sent_ids :],
-                      offset=st.sent_ids, attempt=st.info.attempt)  # fmt: skip
+        # text is append-only, except that the final output cuts a stop_regex match that began in text
+        # already sent (a regex cannot be held back as a stop string's prefix is)
+        start = end if finish is not None and end < st.sent_text else st.sent_text
+        end, sent = max(end, start), st.sent_ids
+        out = TextOut(rid=st.info.rid, text=st.text[start:end], text_offset=start, output_ids=st.ids[sent:],
+                      offset=sent, attempt=st.info.attempt)  # fmt: skip
         st.sent_text, st.sent_ids = end, len(st.ids)
         if finish is not None:
             out.finished = True

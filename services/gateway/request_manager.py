@@ -371,7 +371,9 @@ class RequestManager:
                 await self.transport.settle_work(out.work_token, ACK)
 
     def _add(self, st: _State, out: TextOut) -> None:
-        st.text += out.text  # append-only: a retokenization replaces ids, never text
+        if out.text_offset < len(st.text):  # the final output cut a stop_regex match short
+            st.text = st.text[: out.text_offset]
+        st.text += out.text  # a retokenization replaces ids (below), never text
         del st.output_ids[out.offset :]  # (an offset below our length: those ids were retokenized)
         st.output_ids.extend(out.output_ids)
         if out.logprobs is not None and st.logprobs is not None:

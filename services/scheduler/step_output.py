@@ -23,6 +23,7 @@ class StepOutput:
                     out_subject=req.out_subject,
                     prompt_tokens=len(req.prompt),
                     stop=s.stop,
+                    stop_regex=s.stop_regex,
                     skip_special_tokens=s.skip_special_tokens,
                     spaces_between_special_tokens=s.spaces_between_special_tokens,
                     no_stop_trim=s.no_stop_trim,

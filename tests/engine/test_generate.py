@@ -80,7 +80,9 @@ def test_rid_and_bad_input(engine):
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(PROMPT, {"top_p": 1.5})
     with pytest.raises(ValueError, match="cannot be honoured yet"):
-        engine.generate(PROMPT, {"regex": "[0-9]+"})
+        engine.generate(PROMPT, {"structural_tag": "{}"})
+    with pytest.raises(ValueError, match="only one of regex, json_schema, ebnf"):
+        engine.generate(PROMPT, {"regex": "[0-9]+", "ebnf": 'root ::= "a"'})
     with pytest.raises(ValueError, match="repetition_penalty"):
         engine.generate(PROMPT, {"repetition_penalty": 0})
     with pytest.raises(ValueError, match="bogus"):

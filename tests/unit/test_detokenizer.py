@@ -117,3 +117,13 @@ def test_a_lower_offset_replaces_ids_and_keeps_the_text():
     (out,) = outs["gw"].outs
     assert (out.text, out.output_ids, out.offset) == ("e", [4], 3)
     assert out.finished and out.meta["completion_tokens"] == 4
+
+
+def test_stop_regex_ends_the_request_and_cuts_its_match():
+    d = Detokenizer(Letters())
+    d.step(step("r", [0, 1, 2], 0, announce=info("r")))  # "abc" sent
+    d._states["r"].info.stop_regex = [r"c+d"]
+    outs, stopped = d.step(step("r", [3], 3))  # "abcd": the match began in text already sent
+    (out,) = outs["gw"].outs
+    assert stopped == [AbortReq(rids=["r"], finish={"type": "stop", "matched": "cd"})]
+    assert out.finished and (out.text, out.text_offset) == ("", 2)  # the gateway cuts "c"

@@ -119,3 +119,24 @@ def test_cache_compiles_once_and_keeps_a_failure(setup):
     with pytest.raises(GrammarError):
         cache.get(GrammarSpec("xml", "<a/>"), 10)
     cache.shutdown()
+
+
+def test_cache_keeps_the_most_recently_used(setup):
+    calls = []
+    cache = GrammarCache(lambda spec: calls.append(spec) or setup[0].compile(spec), capacity=2)
+    a, b, c = (GrammarSpec("regex", x) for x in ("a", "b", "c"))
+    for spec in (a, b, a, c, a, b):  # c pushes out b (a was used after it), then b pushes out c
+        cache.get(spec, 10)
+    assert calls == [a, b, c, b]
+    cache.shutdown()
+
+
+def test_retokenize_gives_canonical_tokens_of_the_same_bytes(setup):
+    backend = setup[0]
+    tok = backend.tokenizer
+    brace, forced = tok.tokenize_str("{"), tok.tokenize_str('"name')
+    new = backend.retokenize(brace + forced)
+    assert new == tok.tokenize_str('{"name') != brace + forced
+    assert tok.decode_bytes(new) == b'{"name'
+    assert backend.retokenize(tok.tokenize_bytes("aé".encode())) is not None
+    assert backend.retokenize(tok.tokenize_bytes(b"\xc3")) is None  # half a character

@@ -18,6 +18,7 @@ finishes in the background (its result is cached for the next request with the s
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,12 +81,15 @@ class Retokenizer(ABC):
 
 
 class GrammarCache:
-    """Compiled grammars by (kind, text), compiled on a small thread pool off the step loop."""
+    """Compiled grammars by (kind, text), compiled on a small thread pool off the step loop; the
+    `capacity` most recently used are kept (a request holds its own matcher, not the cache entry)."""
 
-    def __init__(self, compile_fn: Callable[[GrammarSpec], CompiledGrammar], workers: int = 2) -> None:
+    def __init__(self, compile_fn: Callable[[GrammarSpec], CompiledGrammar], workers: int = 2,
+                 capacity: int = 512) -> None:  # fmt: skip
         self._compile = compile_fn
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
-        self._futures: dict[GrammarSpec, Future[CompiledGrammar]] = {}
+        self._futures: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
+        self.capacity = capacity
         self._lock = threading.Lock()
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
@@ -96,6 +100,10 @@ class GrammarCache:
             fut = self._futures.get(spec)
             if fut is None:
                 fut = self._futures[spec] = self._pool.submit(self._compile, spec)
+                while len(self._futures) > self.capacity:
+                    self._futures.popitem(last=False)
+            else:
+                self._futures.move_to_end(spec)
             return fut
 
     def get(self, spec: GrammarSpec, timeout_s: float) -> CompiledGrammar:
