@@ -99,7 +99,7 @@ class Scheduler:
         mc, on = runner.model_config, config.enable_cascade_attention and runner.attn.supports_cascade
         self.cascade = CascadePlanner(runner.device, mc.num_heads, mc.num_kv_heads) if on else None
         self.grammars = GrammarAdmission(config, runner)  # compiles off the step loop
-        self.grammar_decode = GrammarDecode(self.kv, self.req_to_token, self.context_len,
+        self.grammar_decode = GrammarDecode(self.kv, self.req_to_token, self.context_len, self.eos_ids,
                                             not config.disable_jump_forward, self.stats)  # fmt: skip
         self._log = BatchLog(log)
 
@@ -315,10 +315,9 @@ class Scheduler:
         except GrammarError as e:  # it does not compile, or took too long: a 400 for this request alone
             self._finish_now(req, str(e))
             return False
-        if not req.output:  # a forced start: prefilled with the prompt
-            self.grammar_decode.jump(req, self.grammars.retokenizer)
-            if req.output:
-                self.output.emit(req, req.output[:])
+        self.grammar_decode.start(req, self.grammars.retokenizer)
+        if req.output and not req.announced:
+            self.output.emit(req, req.output[:])
         return req.finish is None
 
     def _reserve(self, req: Req) -> int:
@@ -410,13 +409,12 @@ class Scheduler:
             r.pending = 0
             if r.finish is not None:
                 continue
-            if r.matcher is not None and not self.grammar_decode.accept(r, tok):
-                continue
-            r.output.append(tok)
-            r.check_finished(tok, self.context_len)
-            start = len(r.output) - 1
-            if r.matcher is not None and r.finish is None:
-                start = min(start, self.grammar_decode.jump(r, self.grammars.retokenizer))
+            if r.matcher is None:
+                r.output.append(tok)
+                r.check_finished(tok, self.context_len)
+                start: int | None = len(r.output) - 1
+            elif (start := self.grammar_decode.advance(r, tok, self.grammars.retokenizer)) is None:
+                continue  # the grammar refused it: aborted
             self.output.emit(r, r.output[start:])
             generated += 1
         self.stats["generated_tokens"] += generated

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 from bus_probe import BusProbe
@@ -92,3 +94,51 @@ def test_jump_forward_saves_steps_and_streams_right_text(make_engine):
             assert final["text"] == outs[1]["text"] and final["output_ids"] == outs[1]["output_ids"]
             assert all(final["text"].startswith(c["text"]) for c in chunks)
     assert steps[True] < 0.8 * steps[False]
+
+
+def _gate_compiles(engine) -> threading.Event:
+    """Every grammar compile on `engine` waits for the returned event (then compiles for real)."""
+    gate = threading.Event()
+
+    def hold(s) -> None:
+        cache = s.grammars._grammars()
+        real = cache._compile
+        cache._compile = lambda spec: gate.wait(60) and real(spec)
+
+    engine._on_scheduler(hold)
+    return gate
+
+
+def test_a_compiling_grammar_holds_only_its_request_and_times_out_or_aborts(make_engine):
+    engine = make_engine(grammar_compile_timeout=1.0)
+    gate = _gate_compiles(engine)
+    results: dict[str, dict] = {}
+    calls = {"slow": {"regex": "[a-z]{3}"}, "aborted": {"regex": "[0-9]{3}"}}
+    threads = [threading.Thread(target=lambda k=k: results.setdefault(k, engine.generate(
+        "x", {**calls[k], "max_new_tokens": 8}, rid=k))) for k in calls]  # fmt: skip
+    for t in threads:
+        t.start()
+    while engine.get_stats()["waiting"] < 2:
+        time.sleep(0.01)
+    engine._on_scheduler(lambda s: s.abort(["aborted"]))
+    free = engine.generate("y", {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    for t in threads:
+        t.join(timeout=30)
+    gate.set()
+    assert results["aborted"]["meta_info"]["finish_reason"]["type"] == "abort"
+    slow = results["slow"]["meta_info"]["finish_reason"]
+    assert slow["status_code"] == 400 and "took longer than 1 s" in slow["message"]
+
+
+def test_grammars_with_n_samples_chunked_prefill_and_retraction(make_engine):
+    # a pool of 300 slots and 64-token chunks: the 108-token prompt prefills in chunks, and 6 samples
+    # of 40-48 digits (a token each) outgrow the pool and retract one another
+    engine = make_engine(max_total_tokens=300, chunked_prefill_size=64, new_token_ratio=0.0)
+    long = "Passage: " + "the quick brown fox jumps over the lazy dog; " * 10 + "\nA number:"
+    params = {"temperature": 1.0, "max_new_tokens": 48, "regex": "[0-9]{40,48}", "n": 3}
+    outs = engine.generate([long, "A person as JSON:"], params)
+    assert len(outs) == 6
+    for o in outs:
+        assert re.fullmatch("[0-9]{40,48}", o["text"]), o["text"]
+    assert engine.get_stats()["retractions"] > 0

@@ -18,8 +18,8 @@ finishes in the background (its result is cached for the next request with the s
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple

@@ -25,26 +25,46 @@ RETOKENIZE_TAIL = 4  # output tokens before a forced continuation that retokeniz
 
 
 class GrammarDecode:
-    def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, context_len: int,
+    def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, context_len: int, eos_ids: tuple[int, ...],
                  jump_forward: bool, stats: dict) -> None:  # fmt: skip
         self.kv, self.req_to_token, self.context_len = kv, req_to_token, context_len
-        self.jump_forward, self.stats = jump_forward, stats
+        self.eos, self.jump_forward, self.stats = eos_ids[0], jump_forward, stats
         stats.update(jump_forward_steps=0, jump_forward_tokens=0, retokenized=0)
 
-    def accept(self, r: Req, tok: int) -> bool:
-        """Advance r's matcher by its sampled token; False (and r aborted) when the grammar refuses it.
-        A finished grammar allows only EOS, which its matcher does not take."""
+    def start(self, r: Req, retokenizer: Retokenizer) -> None:
+        """At admission, once r's matcher exists: a forced start is appended (prefilled with the prompt)."""
+        if not r.output:
+            self._jump(r, retokenizer)
+            self._end_if_done(r)
+
+    def advance(self, r: Req, tok: int, retokenizer: Retokenizer) -> int | None:
+        """r sampled `tok`: the matcher takes it (None, and r aborted, when the grammar refuses it), it
+        is appended, the forced continuation follows, and a grammar that can take nothing more ends r.
+        Returns the output index from which r's tokens are new or replaced."""
         m = r.matcher
         assert m is not None and r.grammar is not None
-        if (m.done and tok in r.stop_ids) or m.accept([tok]):
-            return True
-        message = f"the {r.grammar.kind} refused token {tok}: {m.error}"
-        r.finish = {"type": "abort", "message": message, "status_code": 500}
-        return False
+        if not ((m.done and tok in r.stop_ids) or m.accept([tok])):
+            message = f"the {r.grammar.kind} refused token {tok}: {m.error}"
+            r.finish = {"type": "abort", "message": message, "status_code": 500}
+            return None
+        r.output.append(tok)
+        r.check_finished(tok, self.context_len)
+        start = len(r.output) - 1
+        if r.finish is None:
+            start = min(start, self._jump(r, retokenizer))
+            self._end_if_done(r)
+        return start
 
-    def jump(self, r: Req, retokenizer: Retokenizer) -> int:
-        """After r's sampled token was appended: append its forced continuation, if any; returns the
-        output index from which r's tokens are new or replaced (len(r.output) when nothing moved)."""
+    def _end_if_done(self, r: Req) -> None:
+        """The grammar allows only EOS now: EOS is appended without a forward (even with ignore_eos,
+        which has nothing else to sample)."""
+        if r.finish is None and r.matcher is not None and r.matcher.done:
+            r.output.append(self.eos)
+            r.finish = {"type": "stop", "matched": self.eos}
+
+    def _jump(self, r: Req, retokenizer: Retokenizer) -> int:
+        """Append r's forced continuation, if any; returns the output index from which r's tokens are
+        new or replaced (len(r.output) when nothing moved)."""
         m, out = r.matcher, r.output
         assert m is not None
         room = min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - len(out)
