@@ -1,0 +1,148 @@
+"""Constrained decoding: throughput and forward passes with and without jump-forward, and what the
+grammar mask costs a step.
+
+Workloads (seed 001's JSON decoding, §4 / Appendix B of the paper, and a regex one):
+    json   extract six fields of a person from a short passage into a JSON object of a fixed schema
+    regex  the same facts as one line of a fixed format: `Name: ..., born ..., works as ....`
+
+Each round runs, one after the other in this process: (A) the constrained workload with
+jump-forward, (B) the same with `--disable-jump-forward`, and (C) the same prompts unconstrained,
+each request asked for exactly B's number of output tokens (`ignore_eos`), so B and C take the same
+steps and differ by the mask alone. Reported: output tok/s, forward passes (scheduler steps), the
+mean step time, the mask's share of B's step (1 - C/B, per step), and how many outputs are valid.
+
+    python -m benchmarks.constrained --workload json --num-prompts 64
+    python -m benchmarks.constrained --model-path <config folder> --load-format dummy --num-prompts 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+FIRST = ["Alice", "Bruno", "Chiara", "Dmitri", "Emeka", "Fatima", "Goran", "Hana", "Ivan", "Julia"]
+LAST = ["Moreau", "Okafor", "Lindqvist", "Tanaka", "Silva", "Novak", "Haddad", "Kowalski"]
+CITIES = ["Lyon", "Lagos", "Uppsala", "Osaka", "Recife", "Brno", "Beirut", "Krakow", "Porto"]
+JOBS = ["chemist", "architect", "violinist", "nurse", "geologist", "pilot", "teacher", "engineer"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "birth_year": {"type": "integer", "minimum": 1900, "maximum": 2010},
+        "birth_city": {"type": "string", "maxLength": 24},
+        "occupation": {"type": "string", "maxLength": 24},
+        "nationality": {"type": "string", "maxLength": 24},
+        "is_alive": {"type": "boolean"},
+    },
+    "required": ["name", "birth_year", "birth_city", "occupation", "nationality", "is_alive"],
+    "additionalProperties": False,
+}
+REGEX = r"Name: [A-Z][a-z]+ [A-Z][a-z]+, born (19|20)\d\d in [A-Z][a-z]+, works as an? [a-z]+\."
+
+
+def _passages(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        name = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+        year, city, job = rng.randrange(1930, 2005), rng.choice(CITIES), rng.choice(JOBS)
+        alive = rng.random() < 0.8
+        out.append(f"{name} was born in {city} in {year}. {name.split()[0]} works as a {job}"
+                   f"{'' if alive else ' and died in 2019'}.")  # fmt: skip
+    return out
+
+
+def workload(kind: str, n: int) -> tuple[list[str], dict[str, Any], Any]:
+    """Prompts, the sampling parameters, and a validity check of one output text."""
+    if kind == "json":
+        prompts = [f"Passage: {p}\nExtract the person's facts as JSON.\nJSON:" for p in _passages(n)]
+        params = {"temperature": 0, "max_new_tokens": 256, "json_schema": json.dumps(SCHEMA)}
+
+        def valid(text: str) -> bool:
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                return False
+            return isinstance(obj, dict) and set(obj) == set(SCHEMA["properties"])
+
+        return prompts, params, valid
+    prompts = [f"Passage: {p}\nThe same in one line:\n" for p in _passages(n)]
+    return (
+        prompts,
+        {"temperature": 0, "max_new_tokens": 128, "regex": REGEX},
+        lambda t: bool(re.fullmatch(REGEX, t)),
+    )
+
+
+def run(
+    engine, prompts: list[str], params: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    engine.flush_cache()
+    before = engine.get_stats()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    after = engine.get_stats()
+    keys = ("steps", "step_s", "generated_tokens", "jump_forward_tokens", "retokenized")
+    d = {k: after[k] - before.get(k, 0) for k in keys if k in after}
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    d.update(
+        seconds=seconds, output_tokens=tokens, tok_s=tokens / seconds, step_ms=1e3 * d["step_s"] / d["steps"]
+    )
+    return outs, d
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=["json", "regex"], default="json")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--model-path", default=None, help="default: the default model")
+    p.add_argument("--load-format", default=None, help="dummy: random weights from a config-only folder")
+    p.add_argument("--output-file", default=None, help="append the figures as a JSONL row")
+    args = p.parse_args(argv)
+
+    import sglbus
+
+    opts = {k: v for k, v in {"model_path": args.model_path, "load_format": args.load_format}.items() if v}
+    prompts, params, valid = workload(args.workload, args.num_prompts)
+    rows = []
+    for r in range(args.rounds):
+        row: dict[str, Any] = {}
+        for name, jump in (("jump_forward", True), ("no_jump_forward", False)):
+            with sglbus.Engine(disable_jump_forward=not jump, **opts) as engine:
+                engine.generate(prompts[:2], params)  # warm up: the grammar compiles, first-step allocations
+                outs, row[name] = run(engine, prompts, [params] * len(prompts))
+                row[name]["valid"] = sum(valid(o["text"]) for o in outs)
+                if not jump:  # C: unconstrained, B's token counts
+                    lens = [o["meta_info"]["completion_tokens"] for o in outs]
+                    free = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for n in lens]
+                    _, row["unconstrained"] = run(engine, prompts, free)
+        a, b, c = row["jump_forward"], row["no_jump_forward"], row["unconstrained"]
+        row["speedup"] = a["tok_s"] / b["tok_s"]
+        row["forward_ratio"] = b["steps"] / a["steps"]
+        row["mask_share"] = 1 - c["step_ms"] / b["step_ms"]
+        rows.append(row)
+        print(f"round {r + 1}: " + "  ".join(
+            f"{k}: {v['tok_s']:.0f} tok/s, {v['steps']} steps, {v['step_ms']:.1f} ms/step"
+            + (f", valid {v['valid']}/{len(prompts)}" if "valid" in v else "") for k, v in row.items()
+            if isinstance(v, dict)))  # fmt: skip
+    med = {k: statistics.median(r[k] for r in rows) for k in ("speedup", "forward_ratio", "mask_share")}
+    print(f"{args.workload}, {args.num_prompts} prompts, {args.rounds} round(s), medians: jump-forward "
+          f"speedup {med['speedup']:.2f}x, forward passes {med['forward_ratio']:.2f}x fewer, mask "
+          f"{100 * med['mask_share']:.1f}% of a constrained step")  # fmt: skip
+    if args.output_file:
+        from benchmarks.launch import append_result, machine_info
+
+        append_result(args.output_file, vars(args), machine_info(), {"rounds": rows, "median": med})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
