@@ -312,10 +312,10 @@ class Scheduler:
         try:
             if not self.grammars.ready(req, now):
                 return False
+            self.grammar_decode.start(req, self.grammars.retokenizer)
         except GrammarError as e:  # it does not compile, or took too long: a 400 for this request alone
-            self._finish_now(req, str(e))
+            self._finish_now(req, str(e), e.status_code)
             return False
-        self.grammar_decode.start(req, self.grammars.retokenizer)
         if req.output and not req.announced:
             self.output.emit(req, req.output[:])
         return req.finish is None

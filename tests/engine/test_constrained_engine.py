@@ -142,3 +142,26 @@ def test_grammars_with_n_samples_chunked_prefill_and_retraction(make_engine):
     for o in outs:
         assert re.fullmatch("[0-9]{40,48}", o["text"]), o["text"]
     assert engine.get_stats()["retractions"] > 0
+
+
+def test_a_grammar_backend_that_cannot_start_fails_its_requests_alone(make_engine):
+    engine = make_engine()
+
+    def broken(s) -> None:
+        s.grammars._tokenizer_folder = "/nonexistent"
+
+    engine._on_scheduler(broken)
+    for _ in range(2):  # the second fails at once, from the recorded reason
+        free = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+        bad, good = engine.generate(["x", "y"], [{"regex": "[a-z]+", "max_new_tokens": 4}, free])
+        reason = bad["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 500
+        assert "constrained decoding is unavailable" in reason["message"]
+        assert good["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_an_eos_the_tokenizer_lacks_falls_back_to_its_own(model_folder):
+    from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
+
+    backend = LLGuidanceBackend(f"{model_folder}/tokenizer.json", 128256, (128001,))  # a borrowed tokenizer
+    assert backend.tokenizer.eos_token < 49152

@@ -5,10 +5,13 @@ scheduler ends that request alone with a 400."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
 from services.scheduler.constrained.grammar import GrammarCache, GrammarError, Retokenizer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
@@ -24,23 +27,33 @@ class GrammarAdmission:
         self._model = runner.model_config
         self._cache: GrammarCache | None = None  # built at the first request with a grammar
         self._backend: LLGuidanceBackend | None = None
+        self._broken: str | None = None  # why the backend could not be built
 
     def ready(self, req: Req, now: float) -> bool:
         """Whether req's matcher is there (made now if its grammar just compiled); False while it
-        compiles."""
+        compiles. GrammarError when the request cannot have one; never another exception (the step
+        must not fail for one request's grammar)."""
         assert req.grammar is not None
         if req.matcher is not None:
             return True
-        fut = self._grammars().submit(req.grammar)
-        if not fut.done():
-            if now - req.arrival > self.timeout_s:
-                raise GrammarError(f"compiling the {req.grammar.kind} took longer than {self.timeout_s:g} s")
-            return False
-        e = fut.exception()
-        if e is not None:
-            raise e if isinstance(e, GrammarError) else GrammarError(f"{req.grammar.kind}: {e!r}")
-        req.matcher = fut.result().matcher()
-        return True
+        try:
+            fut = self._grammars().submit(req.grammar)
+            if not fut.done():
+                if now - req.arrival > self.timeout_s:
+                    raise GrammarError(
+                        f"compiling the {req.grammar.kind} took longer than {self.timeout_s:g} s"
+                    )
+                return False
+            e = fut.exception()
+            if e is not None:
+                raise e
+            req.matcher = fut.result().matcher()
+            return True
+        except GrammarError:
+            raise
+        except Exception as e:
+            log.exception("constrained decoding failed for request %s", req.rid)
+            raise GrammarError(f"internal error in constrained decoding: {type(e).__name__}: {e}", 500) from e
 
     def shutdown(self) -> None:
         if self._cache is not None:
@@ -54,11 +67,18 @@ class GrammarAdmission:
 
     def _grammars(self) -> GrammarCache:
         if self._cache is None:
+            if self._broken is not None:  # tried once: every grammar request fails alike, at once
+                raise GrammarError(self._broken, 500)
             from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
 
             mc = self._model
-            self._backend = LLGuidanceBackend(
-                os.path.join(self._tokenizer_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
-            )
+            try:
+                self._backend = LLGuidanceBackend(
+                    os.path.join(self._tokenizer_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
+                )
+            except Exception as e:
+                log.exception("the grammar backend cannot start")
+                self._broken = f"constrained decoding is unavailable on this server: {type(e).__name__}: {e}"
+                raise GrammarError(self._broken, 500) from e
             self._cache = GrammarCache(self._backend.compile)
         return self._cache

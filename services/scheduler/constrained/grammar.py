@@ -30,7 +30,12 @@ from shared.grammar_text import KINDS
 
 
 class GrammarError(ValueError):
-    """The grammar cannot be used: it does not parse, or compiling it took too long."""
+    """The grammar cannot be used: it does not parse, or compiling it took too long (a 400), or the
+    grammar machinery failed on it (status_code 500)."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class GrammarSpec(NamedTuple):

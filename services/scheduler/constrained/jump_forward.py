@@ -17,10 +17,13 @@ count sampled tokens only."""
 
 from __future__ import annotations
 
-from services.scheduler.constrained.grammar import Retokenizer
+import logging
+
+from services.scheduler.constrained.grammar import GrammarError, Retokenizer
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.request import Req
 
+log = logging.getLogger(__name__)
 RETOKENIZE_TAIL = 4  # output tokens before a forced continuation that retokenization may merge with it
 
 
@@ -32,28 +35,39 @@ class GrammarDecode:
         stats.update(jump_forward_steps=0, jump_forward_tokens=0, retokenized=0)
 
     def start(self, r: Req, retokenizer: Retokenizer) -> None:
-        """At admission, once r's matcher exists: a forced start is appended (prefilled with the prompt)."""
-        if not r.output:
-            self._jump(r, retokenizer)
-            self._end_if_done(r)
+        """At admission, once r's matcher exists: a forced start is appended (prefilled with the prompt).
+        GrammarError (500) if the grammar machinery fails."""
+        try:
+            if not r.output:
+                self._jump(r, retokenizer)
+                self._end_if_done(r)
+        except Exception as e:
+            log.exception("jump-forward failed for request %s", r.rid)
+            raise GrammarError(f"internal error in constrained decoding: {type(e).__name__}: {e}", 500) from e
 
     def advance(self, r: Req, tok: int, retokenizer: Retokenizer) -> int | None:
-        """r sampled `tok`: the matcher takes it (None, and r aborted, when the grammar refuses it), it
-        is appended, the forced continuation follows, and a grammar that can take nothing more ends r.
-        Returns the output index from which r's tokens are new or replaced."""
+        """r sampled `tok`: the matcher takes it (None, and r aborted, when the grammar refuses it or
+        fails), it is appended, the forced continuation follows, and a grammar that can take nothing
+        more ends r. Returns the output index from which r's tokens are new or replaced."""
         m = r.matcher
         assert m is not None and r.grammar is not None
-        if not ((m.done and tok in r.stop_ids) or m.accept([tok])):
-            message = f"the {r.grammar.kind} refused token {tok}: {m.error}"
-            r.finish = {"type": "abort", "message": message, "status_code": 500}
-            return None
-        r.output.append(tok)
-        r.check_finished(tok, self.context_len)
-        start = len(r.output) - 1
-        if r.finish is None:
-            start = min(start, self._jump(r, retokenizer))
-            self._end_if_done(r)
-        return start
+        try:
+            if not ((m.done and tok in r.stop_ids) or m.accept([tok])):
+                return self._abort(r, f"the {r.grammar.kind} refused token {tok}: {m.error}")
+            r.output.append(tok)
+            r.check_finished(tok, self.context_len)
+            start = len(r.output) - 1
+            if r.finish is None:
+                start = min(start, self._jump(r, retokenizer))
+                self._end_if_done(r)
+            return start
+        except Exception as e:  # one request's grammar must not fail the step
+            log.exception("constrained decoding failed for request %s", r.rid)
+            return self._abort(r, f"internal error in constrained decoding: {type(e).__name__}: {e}")
+
+    def _abort(self, r: Req, message: str) -> None:
+        r.finish = {"type": "abort", "message": message, "status_code": 500}
+        self.stats["request_failures"] += 1
 
     def _end_if_done(self, r: Req) -> None:
         """The grammar allows only EOS now: EOS is appended without a forward (even with ignore_eos,

@@ -64,7 +64,13 @@ class LLGuidanceBackend(Retokenizer):
         import llguidance
 
         self._llg = llguidance
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+        try:
+            self.tokenizer = llguidance.LLTokenizer(
+                tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids)
+            )
+        except ValueError:  # an EOS id the tokenizer lacks (a config whose vocabulary is not the
+            # tokenizer's, as a config-only folder with a borrowed tokenizer): the tokenizer's own EOS
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size)
         self.vocab_size = vocab_size
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
