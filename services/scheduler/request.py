@@ -32,7 +32,7 @@ class Req:
         "uid", "rid", "prompt", "output", "sampling", "max_new_tokens", "out_subject", "created",
         "arrival", "stop_ids", "num_cached", "num_computed", "last_node", "row", "cached_tokens",
         "finish", "announced", "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
-        "work_token", "attempt", "pending", "pending_at", "grammar", "matcher",
+        "work_token", "attempt", "pending", "pending_at", "pending_step", "grammar", "matcher",
     )  # fmt: skip
 
     def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...], context_len: int = 1 << 62) -> None:
@@ -63,9 +63,10 @@ class Req:
         self.attempt = 1
         self.extend_len = 0  # tokens scheduled in the current step
         # overlap scheduling: 1 while the token this request sampled in the step in flight is still on
-        # the device (it counts in fill_len: the next step decodes it); pending_at: its row there
+        # the device (it counts in fill_len: the next step decodes it); pending_at: its row there;
+        # pending_step: that step's number (completing an earlier step leaves it pending)
         self.pending = 0
-        self.pending_at = -1
+        self.pending_at = self.pending_step = -1
         # logprobs (see logprobs.py): logits positions lp_pos .. lp_end-1 still owe a prompt logprob;
         # computed rows wait in lp_in / lp_out until the request's next output
         self.lp = msg.logprob

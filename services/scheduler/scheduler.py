@@ -67,6 +67,7 @@ class _Step:
     drawn: Drawn | None
     prefilled: list[tuple[Req, int]]
     marks: Marks | None = None  # device timing (StepTimer, CUDA only)
+    number: int = 0  # steps launched before it
 
 
 class Scheduler:
@@ -93,7 +94,8 @@ class Scheduler:
         self._step_check: InBatchPrefixCheck | None = None
         self._last_check: InBatchPrefixCheck | None = None
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
-                      "forward_s": 0.0, "step_s": 0.0, "retractions": 0, "request_failures": 0}  # fmt: skip
+                      "overlapped_steps": 0, "forward_s": 0.0, "step_s": 0.0, "retractions": 0,
+                      "request_failures": 0}  # fmt: skip
         self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
         self.timer = StepTimer(runner.device, self.stats)
         mc, on = runner.model_config, config.enable_cascade_attention and runner.attn.supports_cascade
@@ -181,7 +183,10 @@ class Scheduler:
         self._release_finished()
         self._step_check = None
         batch = self._schedule()
-        launched = self._launch(batch) if batch else None
+        # a constrained request decoding the token in flight: its mask needs that token, so the step
+        # in flight is completed between this step's forward and its sampling
+        defer = self._inflight is not None and any(r.pending and r.matcher is not None for r in batch)
+        launched = self._launch(batch, defer) if batch else None
         self._last_check = self._step_check if launched is not None and self.overlap else None
         if self.overlap:
             done, self._inflight = self._inflight, launched
@@ -236,8 +241,6 @@ class Scheduler:
             left = known + r.pending - r.num_computed
             if r.pending and (len(r.output) + 1 >= r.max_new_tokens or known + 1 >= ctx):
                 plan.append((r, 0))  # its token in flight ends it by length: nothing more to compute
-            elif r.pending and r.matcher is not None:
-                plan.append((r, 0))  # its next mask needs the token in flight: it waits a step
             elif left == 1:
                 plan.append((r, 1))
             else:
@@ -366,8 +369,10 @@ class Scheduler:
             fb.input_ids[pairs[:, 0]] = self._inflight.drawn.safe[pairs[:, 1]]
         return fb, step.samplers, step.lp_reqs
 
-    def _launch(self, batch: list[Req]) -> _Step:
-        """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not."""
+    def _launch(self, batch: list[Req], defer: bool = False) -> _Step:
+        """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not.
+        defer: complete the step in flight after the forward, then draw for the requests whose token
+        is still the next one (not those it finished, or whose grammar jumped forward)."""
         # one-token requests first: an attention backend runs its decode kernel on those (num_decode)
         decodes = [r for r in batch if r.extend_len == 1]
         batch = decodes + [r for r in batch if r.extend_len != 1]
@@ -377,20 +382,32 @@ class Scheduler:
         out = self.runner.forward(fb)
         if lp_reqs:
             self.sampling.input_logprobs(out.lp_hidden, lp_reqs)
-        drawn = self.sampling.launch(out.logits, samplers, sync=not self.overlap) if samplers else None
-        marks = self.timer.end(start, fb.mode, fb.batch_size, fb.num_tokens)
-        self.stats["forward_s"] += time.perf_counter() - t1
+        number = self.stats["steps"]
         self.stats["steps"] += 1
+        self.stats["overlapped_steps"] += self._inflight is not None  # launched while another runs
         # the step's KV is the requests' now: count it computed at launch, so the next step (under
         # overlap, scheduled before this one completes) plans from here
         prefilled = [(r, r.num_computed + r.extend_len) for r in batch if r.extend_len > 1]
         for r in batch:
             r.num_computed += r.extend_len
             r.extend_len = 0
+        logits = out.logits
+        if defer:
+            done, self._inflight = self._inflight, None
+            self._complete(done)
+            keep = [j for j, r in enumerate(samplers) if r.finish is None and r.fill_len == r.num_computed]
+            if len(keep) < len(samplers):
+                logits, samplers = (
+                    logits[to_device(keep, torch.int64, logits.device)],
+                    [samplers[j] for j in keep],
+                )
+        drawn = self.sampling.launch(logits, samplers, sync=not self.overlap) if samplers else None
+        marks = self.timer.end(start, fb.mode, fb.batch_size, fb.num_tokens)
+        self.stats["forward_s"] += time.perf_counter() - t1
         for j, r in enumerate(samplers):
-            r.pending, r.pending_at = 1, j
+            r.pending, r.pending_at, r.pending_step = 1, j, number
         self._step_slots = None
-        return _Step(batch, samplers, drawn, prefilled, marks)
+        return _Step(batch, samplers, drawn, prefilled, marks, number)
 
     def _flush(self) -> None:
         """Complete the step in flight now (before a retraction, which needs every token known)."""
@@ -406,7 +423,8 @@ class Scheduler:
         self.timer.collect(st.marks)
         generated = 0
         for r, tok in zip(st.samplers, tokens, strict=True):
-            r.pending = 0
+            if r.pending_step == st.number:  # else its token of the next step, launched already, waits
+                r.pending = 0
             if r.finish is not None:
                 continue
             if r.matcher is None:

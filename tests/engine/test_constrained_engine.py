@@ -57,15 +57,25 @@ def test_a_bad_grammar_is_a_400_and_ends_only_its_request(engine):
     assert "sampling_params.ebnf" in reason["message"] and "missing" in reason["message"]
 
 
-def test_grammars_hold_under_overlap_scheduling(make_engine):
-    """The GPU's default loop on CPU: a constrained request waits out the step its token is in flight."""
-    engine = make_engine(disable_overlap_schedule=False)
+def test_grammars_under_overlap_scheduling_match_the_synchronous_loop(make_engine):
+    """The GPU's default loop on CPU: a step with a constrained request decoding the token in flight
+    completes that step between its forward and its sampling (the mask needs the token), every step
+    still overlaps, and the tokens are the synchronous loop's, jump-forward included."""
     phone = [{"temperature": 0.7, "max_new_tokens": 24, "regex": PHONE, "sampling_seed": s} for s in range(3)]
+    person = {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(PERSON)}
     free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    outs = engine.generate(["Call me at"] * 3 + ["Tell me"], [*phone, free])
-    for o in outs[:3]:
+    prompts = ["Call me at"] * 3 + ["Bob is 45 and lives in Berlin. As JSON:", "Tell me"]
+    outs = {}
+    for overlap in (False, True):
+        engine = make_engine(disable_overlap_schedule=not overlap)
+        outs[overlap] = engine.generate(prompts, [*phone, person, free])
+        stats = engine.get_stats()
+    assert [o["output_ids"] for o in outs[True]] == [o["output_ids"] for o in outs[False]]
+    for o in outs[True][:3]:
         assert re.fullmatch(PHONE, o["text"]), o["text"]
-    assert outs[3]["meta_info"]["completion_tokens"] == 12
+    assert set(json.loads(outs[True][3]["text"])) == {"name", "age", "city"}
+    assert outs[True][4]["meta_info"]["completion_tokens"] == 12
+    assert stats["overlapped_steps"] >= stats["steps"] - 2 and stats["jump_forward_tokens"] > 0
 
 
 PEOPLE = [("Alice", 31, "Paris"), ("Bob", 45, "Berlin"), ("Chen", 22, "Shanghai")]

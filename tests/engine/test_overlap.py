@@ -63,3 +63,13 @@ def test_overlap_retracts_in_a_tiny_pool(make_engine):
         results.append(run(engine, long)[0])
         assert engine.get_stats()["retractions"] > 0
     check_same(results[1], results[0])
+
+
+def test_every_decode_step_is_launched_while_the_previous_one_runs(make_engine):
+    """The pipeline does not stall: each step after the first is launched before the previous one's
+    tokens are processed (completing a step leaves its requests' next token, already launched,
+    pending), and each request decodes in every step."""
+    engine = make_engine(disable_overlap_schedule=False)
+    engine.generate(PROMPTS[:2], {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+    stats = engine.get_stats()
+    assert stats["steps"] == 12 and stats["overlapped_steps"] == 11

@@ -83,7 +83,8 @@ BAD_BODIES = {
     "top_p_zero": orjson.dumps({"text": "hi", "sampling_params": {"top_p": 0}}),
     "unknown_field": orjson.dumps({"text": "hi", "max_tokens": 3}),
     "empty_text": orjson.dumps({"text": ""}),
-    "not_yet": orjson.dumps({"text": "hi", "sampling_params": {"regex": "[0-9]+"}}),
+    "not_yet": orjson.dumps({"text": "hi", "sampling_params": {"structural_tag": "{}"}}),
+    "bad_regex": orjson.dumps({"text": "hi", "sampling_params": {"regex": "[0-9"}}),
     "b64_without_flat": orjson.dumps(
         {"text": "hi", "return_logprob": True, "return_flat_raw_top_logprobs_b64": True}
     ),
