@@ -101,12 +101,13 @@ class Req:
         return self.max_new_tokens - len(self.output) - self.pending
 
     def check_finished(self, token: int, context_len: int) -> None:
-        """Called after `token` was appended to `output`."""
+        """Called after `token` was appended to `output` (the context counts known tokens, not
+        fill_len: under overlap the next token may already be in flight)."""
         if token in self.stop_ids:
             self.finish = {"type": "stop", "matched": token}
         elif len(self.output) >= self.max_new_tokens:
             self.finish = {"type": "length", "length": self.max_new_tokens}
-        elif self.fill_len >= context_len:
+        elif len(self.prompt) + len(self.output) >= context_len:
             self.finish = {"type": "length", "length": len(self.output)}
 
 

@@ -158,7 +158,7 @@ def test_a_grammar_backend_that_cannot_start_fails_its_requests_alone(make_engin
     engine = make_engine()
 
     def broken(s) -> None:
-        s.grammars._tokenizer_folder = "/nonexistent"
+        s.grammars._tokenizer_path = "/nonexistent"
 
     engine._on_scheduler(broken)
     for _ in range(2):  # the second fails at once, from the recorded reason

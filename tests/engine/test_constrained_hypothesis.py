@@ -90,7 +90,7 @@ PARAMS = [
     {"temperature": 1.0, "max_new_tokens": 160, "sampling_seed": 7},
 ]
 HYPOTHESIS = settings(
-    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
@@ -128,7 +128,7 @@ def no_jump():
     e.shutdown()
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(schema=schemas)
 def test_json_schema_outputs_validate_without_jump_forward(no_jump, schema):
     outs = no_jump.generate(["JSON:"] * 2, [{**p, "json_schema": json.dumps(schema)} for p in PARAMS])

@@ -108,7 +108,9 @@ BAD_PARAMS = {
     "max_new_tokens": {"max_new_tokens": 1 << 63},
     "logit_bias": {"logit_bias": {"abc": 1.0}},
     "stop_token_ids": {"stop_token_ids": [V]},
-    "regex": {"regex": "a+"},
+    "structural_tag": {"structural_tag": "{}"},  # not honoured yet
+    "regex": {"regex": "a", "ebnf": 'root ::= "a"'},  # two grammars
+    "stop_regex": {"stop_regex": ["("]},
 }
 
 

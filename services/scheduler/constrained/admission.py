@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 class GrammarAdmission:
     def __init__(self, config: SchedulerConfig, runner: ModelRunner) -> None:
         self.timeout_s = config.grammar_compile_timeout
-        self._tokenizer_folder = config.tokenizer_path or runner.model_folder
-        self._model = runner.model_config
+        self._tokenizer_path, self._runner = config.tokenizer_path, runner  # read at the first grammar
         self._cache: GrammarCache | None = None  # built at the first request with a grammar
         self._backend: LLGuidanceBackend | None = None
         self._broken: str | None = None  # why the backend could not be built
@@ -71,10 +70,11 @@ class GrammarAdmission:
                 raise GrammarError(self._broken, 500)
             from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
 
-            mc = self._model
+            mc = self._runner.model_config
             try:
+                folder = self._tokenizer_path or self._runner.model_folder
                 self._backend = LLGuidanceBackend(
-                    os.path.join(self._tokenizer_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
+                    os.path.join(folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
                 )
             except Exception as e:
                 log.exception("the grammar backend cannot start")

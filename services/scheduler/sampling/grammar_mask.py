@@ -1,7 +1,8 @@
 """The grammar bitmask as a logits processor: the rows of requests with a matcher keep only the
 tokens their grammar allows next (everything else scores -inf). Each matcher fills its row of a
 host int32 bitmask (one bit per token id); one copy to the device, one unpack, one masked write for
-all constrained rows. Rows without a grammar cost nothing. The matchers advance on the host when
+all constrained rows (on CUDA the Triton kernel of kernels/grammar_mask.py, in place). Rows without
+a grammar cost nothing. The matchers advance on the host when
 the step's tokens are known (`Scheduler._complete`), not here: under overlap scheduling the drawn
 ids are still on the device when on_sample runs."""
 
@@ -39,6 +40,11 @@ class GrammarMaskProcessor(LogitsProcessor):
         for j, i in enumerate(idx):
             reqs[i].matcher.fill_bitmask(host[j])
         words = to_device(host, torch.int32, self.device)
-        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(len(idx), -1)[:, : logits.shape[1]]
         rows = to_device(idx, torch.int64, self.device)
+        if logits.is_cuda:  # in place, no [rows, vocab] temporary
+            from kernels.grammar_mask import apply_bitmask
+
+            apply_bitmask(logits, words, rows)
+            return
+        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(len(idx), -1)[:, : logits.shape[1]]
         logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
