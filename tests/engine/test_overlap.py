@@ -56,7 +56,7 @@ def test_overlap_matches_the_synchronous_loop(make_engine, options):
 
 def test_overlap_retracts_in_a_tiny_pool(make_engine):
     """Retraction needs every token known: the step in flight is completed first."""
-    long = [{**p, "max_new_tokens": 40, "ignore_eos": True} for p in PARAMS]
+    long = [{**p, "max_new_tokens": 30, "ignore_eos": True} for p in PARAMS]
     results = []
     for disable in (True, False):
         engine = make_engine(disable_overlap_schedule=disable, max_total_tokens=100, new_token_ratio=0.0)

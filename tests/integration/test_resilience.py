@@ -250,7 +250,7 @@ def test_detokenizer_killed_stream_fails_fast_json_completes(worker_deaths):
     back (the scheduler restarts what the new detokenizer never heard of)."""
     s = worker_deaths
     streaming = threading.Event()
-    json_body = {"text": "Once upon a time", "sampling_params": greedy(300, ignore_eos=True), "rid": "json-1"}
+    json_body = {"text": "Once upon a time", "sampling_params": greedy(120, ignore_eos=True), "rid": "json-1"}
     with ThreadPoolExecutor(2) as pool:
         stream_fut = pool.submit(
             read_stream, s.url, {"text": PROMPT, "sampling_params": LONG, "rid": "doomed-stream"}, streaming

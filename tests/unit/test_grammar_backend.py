@@ -140,3 +140,21 @@ def test_retokenize_gives_canonical_tokens_of_the_same_bytes(setup):
     assert tok.decode_bytes(new) == b'{"name'
     assert backend.retokenize(tok.tokenize_bytes("aé".encode())) is not None
     assert backend.retokenize(tok.tokenize_bytes(b"\xc3")) is None  # half a character
+
+
+def test_batched_masks_equal_the_rows_one_by_one(setup):
+    from services.scheduler.constrained.grammar import fill_bitmasks
+
+    backend, tok, mc = setup
+    specs = [GrammarSpec("regex", r"\d{3}-[a-z]+"), GrammarSpec("json_schema", '{"type": "integer"}'),
+             GrammarSpec("ebnf", 'root ::= "yes" | "no"')]  # fmt: skip
+    matchers = [backend.compile(s).matcher() for s in specs for _ in range(2)]
+    assert matchers[0].accept(tok.encode("123", add_special_tokens=False))  # not all at their start
+    words = (mc.vocab_size + 31) // 32
+    batched = torch.zeros((len(matchers), words), dtype=torch.int32)
+    fill_bitmasks(matchers, batched)
+    for j, m in enumerate(matchers):
+        row = torch.zeros(words, dtype=torch.int32)
+        m.fill_bitmask(row)
+        assert torch.equal(batched[j], row), j
+    assert not torch.equal(batched[0], batched[1])

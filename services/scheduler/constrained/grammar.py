@@ -71,6 +71,18 @@ class Matcher(ABC):
         """Why the matcher refused a token ('' when it did not)."""
 
 
+def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor) -> None:
+    """Row j of `out` gets matchers[j]'s mask, in one batched call when they share a backend that has
+    one (`fill_batch`), else one by one."""
+    kind = type(matchers[0])
+    batch = getattr(kind, "fill_batch", None)
+    if batch is not None and all(type(m) is kind for m in matchers):
+        batch(matchers, out)
+        return
+    for j, m in enumerate(matchers):
+        m.fill_bitmask(out[j])
+
+
 class CompiledGrammar(ABC):
     @abstractmethod
     def matcher(self) -> Matcher: ...

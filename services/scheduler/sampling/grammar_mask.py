@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.scheduler.constrained.grammar import fill_bitmasks
 from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from services.scheduler.sampling.processors import LogitsProcessor
@@ -37,8 +38,7 @@ class GrammarMaskProcessor(LogitsProcessor):
         if not idx:
             return
         host = torch.zeros((len(idx), self.words), dtype=torch.int32)
-        for j, i in enumerate(idx):
-            reqs[i].matcher.fill_bitmask(host[j])
+        fill_bitmasks([reqs[i].matcher for i in idx], host)
         words = to_device(host, torch.int32, self.device)
         rows = to_device(idx, torch.int64, self.device)
         if logits.is_cuda:  # in place, no [rows, vocab] temporary
