@@ -72,7 +72,7 @@ class GrammarDecode:
     def _end_if_done(self, r: Req) -> None:
         """The grammar allows only EOS now: EOS is appended without a forward (even with ignore_eos,
         which has nothing else to sample)."""
-        if r.finish is None and r.matcher is not None and r.matcher.done:
+        if r.finish is None and r.matcher is not None and r.matcher.done and len(r.output) < r.max_new_tokens:
             r.output.append(self.eos)
             r.finish = {"type": "stop", "matched": self.eos}
 
