@@ -78,12 +78,13 @@ class SampleStep:
         # dense per-row state on a GPU (no per-request Python in a step); sparse pairs on a CPU
         self.penalties = (DensePenaltyProcessor if dev.type == "cuda" else PenaltyProcessor)(rows, vocab, dev)
         self.capture = LogprobCapture()
+        self.grammar_mask = GrammarMaskProcessor(vocab, dev)
         self.processors: list[LogitsProcessor] = [
             self.capture,
             self.penalties,
             LogitBiasProcessor(dev),
             MinNewTokensProcessor(dev),
-            GrammarMaskProcessor(vocab, dev),
+            self.grammar_mask,
         ]
         self._sampling: tuple[tuple[int, ...], SamplingInfo] | None = None
 

@@ -26,7 +26,6 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -37,18 +36,17 @@ from services.scheduler.constrained.grammar import GrammarError
 from services.scheduler.constrained.jump_forward import GrammarDecode
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.host_copy import to_device
+from services.scheduler.intake import RequestIntake
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.prefix_cache import make_prefix_cache
-from services.scheduler.request import Req, check_request
+from services.scheduler.request import Req
 from services.scheduler.sample_step import Drawn, SampleStep
 from services.scheduler.step_inputs import StepInputs
 from services.scheduler.step_output import StepOutput
 from services.scheduler.step_timer import Marks, StepTimer
 from shared.config import EngineConfig
-from shared.messages import BatchTokenOut, GenerateReq
-from shared.sampling_params import SamplingParams
-from shared.transport import Work
+from shared.messages import BatchTokenOut
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +68,7 @@ class _Step:
     number: int = 0  # steps launched before it
 
 
-class Scheduler:
+class Scheduler(RequestIntake):
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.cfg, self.runner = config, runner
         self.kv, self.req_to_token = runner.kv, runner.req_to_token
@@ -105,69 +103,6 @@ class Scheduler:
                                             not config.disable_jump_forward, self.stats)  # fmt: skip
         self._log = BatchLog(log)
 
-    # -- inputs -------------------------------------------------------------------------------
-    def add_request(self, msg: GenerateReq, work: Work | None = None) -> None:
-        """Queue a request, or answer it at once with a 400 that names what is wrong with it. `work`:
-        the work-queue delivery it came in (None in-process)."""
-        if work is not None and work.deliveries > 1:
-            live = next((r for r in (*self.waiting, *self.running) if r.rid == msg.rid), None)
-            if live is not None:  # delivered again while it runs here (a late keep-alive): keep going
-                live.work_token = work.token
-                return
-        try:
-            problem = check_request(msg, self.vocab_size, self.context_len, self.kv.size)
-            req = Req(msg, self.eos_ids, self.context_len)
-        except Exception as e:  # values of the wrong type: only a struct built in-process can have them
-            problem = f"invalid request: {type(e).__name__}: {e}"
-            blank = GenerateReq(
-                rid=msg.rid, input_ids=[], sampling=SamplingParams(), out_subject=msg.out_subject
-            )
-            req = Req(blank, self.eos_ids)
-        if work is not None:
-            req.work_token, req.attempt = work.token, work.deliveries
-        if problem is None:
-            self.waiting.append(req)
-        else:
-            self._finish_now(req, problem)
-
-    def reject(self, msg: GenerateReq, message: str, status_code: int, work: Work | None = None) -> None:
-        """Answer a request at once with an error, without running it."""
-        blank = GenerateReq(rid=msg.rid, input_ids=[], sampling=SamplingParams(), out_subject=msg.out_subject)
-        req = Req(blank, self.eos_ids)
-        if work is not None:
-            req.work_token, req.attempt = work.token, work.deliveries
-        self._finish_now(req, message, status_code)
-
-    def drop(self, rids: Iterable[str]) -> list[str]:
-        """Release requests without a word to anyone (their output was lost on the bus, or their
-        gateway is gone); returns their work tokens, for the caller to give back or end."""
-        wanted, tokens = set(rids), []
-        for req in [r for r in self.waiting if r.rid in wanted]:
-            self.waiting.remove(req)
-            tokens.append(req.work_token)
-        for req in self.running:
-            if req.rid in wanted and req.finish is None:
-                req.finish = {"type": "dropped"}  # not an abort: _release_finished sends nothing
-                tokens.append(req.work_token)
-        return [t for t in tokens if t]
-
-    def abort(self, rids: Iterable[str], finish: dict[str, Any] | None = None) -> None:
-        """Abort requests (finish=None) or finish them with a reason found elsewhere (a stop string the
-        detokenizer matched: it already told its client, so nothing more is sent)."""
-        wanted = set(rids)
-        for req in [r for r in self.waiting if r.rid in wanted]:
-            self.waiting.remove(req)
-            if finish is None:
-                req.finish = {"type": "abort", "message": "aborted"}
-                self.output.emit(req, [])
-        for req in self.running:
-            if req.rid in wanted and req.finish is None:
-                req.finish = finish or {"type": "abort", "message": "aborted"}
-
-    def _finish_now(self, req: Req, message: str, status_code: int = 400) -> None:
-        req.finish = {"type": "abort", "message": message, "status_code": status_code}
-        self.output.emit(req, [])
-
     # -- the loop -----------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
@@ -185,7 +120,11 @@ class Scheduler:
         batch = self._schedule()
         # a constrained request decoding the token in flight: its mask needs that token, so the step
         # in flight is completed between this step's forward and its sampling
-        defer = self._inflight is not None and any(r.pending and r.matcher is not None for r in batch)
+        defer = (
+            self._inflight is not None
+            and self.sampling.grammar_mask.active
+            and any(r.pending and r.matcher is not None for r in batch)
+        )
         launched = self._launch(batch, defer) if batch else None
         self._last_check = self._step_check if launched is not None and self.overlap else None
         if self.overlap:
