@@ -18,6 +18,7 @@ mean step time, the mask's share of B's step (1 - C/B, per step), and how many o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import re
@@ -25,6 +26,8 @@ import statistics
 import sys
 import time
 from typing import Any
+
+from benchmarks.stack_profile import StackProfile
 
 FIRST = ["Alice", "Bruno", "Chiara", "Dmitri", "Emeka", "Fatima", "Goran", "Hana", "Ivan", "Julia"]
 LAST = ["Moreau", "Okafor", "Lindqvist", "Tanaka", "Silva", "Novak", "Haddad", "Kowalski"]
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default=None, help="default: the default model")
     p.add_argument("--load-format", default=None, help="dummy: random weights from a config-only folder")
     p.add_argument("--output-file", default=None, help="append the figures as a JSONL row")
+    p.add_argument("--profile", action="store_true", help="sample the threads' Python stacks in each run")
     args = p.parse_args(argv)
 
     import sglbus
@@ -118,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, jump in (("jump_forward", True), ("no_jump_forward", False)):
             with sglbus.Engine(disable_jump_forward=not jump, **opts) as engine:
                 engine.generate(prompts[:2], params)  # warm up: the grammar compiles, first-step allocations
-                outs, row[name] = run(engine, prompts, [params] * len(prompts))
+                with StackProfile() if args.profile else contextlib.nullcontext() as prof:
+                    outs, row[name] = run(engine, prompts, [params] * len(prompts))
+                if prof is not None:
+                    print(f"-- profile of {name}\n{prof.report(top=25)}")
                 row[name]["valid"] = sum(valid(o["text"]) for o in outs)
                 if not jump:  # C: unconstrained, B's token counts
                     lens = [o["meta_info"]["completion_tokens"] for o in outs]

@@ -26,7 +26,7 @@ import sglbus
 from benchmarks.hf_baseline import run_hf
 from benchmarks.launch import append_result
 from benchmarks.stack_profile import StackProfile
-from benchmarks.step_trace import summarize
+from benchmarks.step_trace import summarize, triton_variants
 from benchmarks.workloads import Workload, add_workload_args, build_workload, optimal_hit_rate
 from services.scheduler.model_runner import resolve_device
 from shared.config import EngineConfig, add_cli_args, cli_overrides
@@ -123,6 +123,9 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         trace = engine._on_scheduler(lambda s: s.timer.trace) if args.step_trace else None
         if trace:  # (empty on CPU: no device timing there)
             print(summarize(trace))
+            print(engine._on_scheduler(lambda s: triton_variants()))
+            launched = engine.get_stats()["overlapped_steps"] - before["overlapped_steps"]
+            print(f"steps launched while the previous one ran (overlap): {launched} of {len(trace)}")
             alloc = {k: v - alloc_before[k] for k, v in _allocator_counts().items()}
             print(f"CUDA allocator during the run: {alloc['num_alloc_retries']} retries (each frees the "
                   f"cache and syncs the device), {alloc['num_device_alloc']} cudaMalloc, "

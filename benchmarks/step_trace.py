@@ -40,4 +40,24 @@ def summarize(trace: list[tuple[str, int, int, float, float]]) -> str:
                      f"{idle:>8.2f}{1000 * idle / n:>9.2f}")  # fmt: skip
     dev, idle = sum(r[3] for r in trace), sum(r[4] for r in trace[1:])
     lines.append(f"total: {len(trace)} steps, device {dev:.2f} s, idle between steps {idle:.2f} s")
+    first = ", ".join(f"{kind} {reqs}r {1000 * d:.0f}ms" for kind, reqs, _, d, _ in trace[:8])
+    lines.append(f"first steps: {first}")  # a kernel compiling inside the run shows here
     return "\n".join(lines)
+
+
+def triton_variants() -> str:
+    """How many variants of each Triton kernel in kernels/ this process has compiled, e.g.
+    `_extend_kernel 1`: more than one per kernel for a fixed model means per-step specialisation."""
+    import importlib
+    import pkgutil
+
+    import kernels
+
+    counts = []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        for name, obj in vars(importlib.import_module(f"kernels.{info.name}")).items():
+            caches = getattr(obj, "device_caches", None)
+            n = sum(len(c[0]) for c in caches.values()) if isinstance(caches, dict) else 0
+            if n:
+                counts.append(f"{name} {n}")
+    return "Triton kernel variants compiled: " + (", ".join(sorted(set(counts))) or "none")

@@ -24,12 +24,13 @@ import triton.language as tl
 
 from kernels.cascade_plan import CascadePlan
 from kernels.dot_operands import dot_operands
+from kernels.index_args import index_jit
 from kernels.online_softmax import attend_keys
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@index_jit("members", "tile_first", "tile_count", "tile_len", "tile_row")
 def _shared_prefix_kernel(
     q, k_buf, v_buf, req_to_token, members, tile_first, tile_count, tile_len, tile_row,
     part_o, part_lse, qk_scale,

@@ -35,6 +35,7 @@ import triton.language as tl
 from kernels.cascade_attention import shared_prefix_attention
 from kernels.cascade_plan import CascadePlan
 from kernels.dot_operands import dot_operands
+from kernels.index_args import index_jit
 from kernels.online_softmax import attend_keys
 
 # S, the number of key splits per request: enough programs to fill an H200's 132 SMs at batch 1-32
@@ -55,7 +56,7 @@ def _num_splits(max_splits: int, batch: int, num_kv_heads: int, device: torch.de
     return 1 << (fill.bit_length() - 1)  # a power of two: few variants to compile (each at first use)
 
 
-@triton.jit
+@index_jit("req_pool_indices", "seq_lens", "kv_starts")
 def _decode_split_kernel(
     q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, kv_starts, part_o, part_lse, qk_scale,
     stride_qb, stride_qh, stride_qd,
@@ -99,7 +100,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr, lse, mask=head_ok)
 
 
-@triton.jit
+@index_jit("seq_lens", "kv_starts")
 def _decode_combine_kernel(
     out, seq_lens, kv_starts, part_o, part_lse,
     stride_ob, stride_oh, stride_od,

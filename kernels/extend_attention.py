@@ -23,12 +23,13 @@ import triton
 import triton.language as tl
 
 from kernels.dot_operands import dot_operands
+from kernels.index_args import index_jit
 from kernels.online_softmax import attend_tile
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@index_jit("req_pool_indices", "prefix_lens", "extend_lens", "extend_start_loc")
 def _extend_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
     qk_scale,

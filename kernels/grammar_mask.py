@@ -9,10 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.index_args import index_jit
+
 _BLOCK = 4096
 
 
-@triton.jit
+@index_jit("rows_ptr")
 def _apply_bitmask_kernel(logits_ptr, stride_l, mask_ptr, stride_m, rows_ptr, vocab, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.index_args import index_jit
+
 
 @triton.jit
 def _copy_heads(
@@ -28,7 +30,7 @@ def _copy_heads(
     tl.store(dst + h * dst_stride_h + d, x.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@index_jit("loc_ptr")
 def _store_kv_kernel(
     k_buf,
     v_buf,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.index_args import index_jit
+
 
 @triton.jit
 def _rotate(ptr, head_stride, n_heads, cos, sin, d, d_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -26,7 +28,7 @@ def _rotate(ptr, head_stride, n_heads, cos, sin, d, d_mask, HALF: tl.constexpr, 
     tl.store(lo + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
 
 
-@triton.jit
+@index_jit("pos_ptr")
 def _rope_kernel(
     q_ptr,
     k_ptr,

@@ -8,11 +8,14 @@ system, wired through the in-process transport on a private event loop thread.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
+
+import torch
 
 from services.detokenizer.service import DetokenizerService
 from services.gateway.request_manager import RequestManager
@@ -129,6 +132,12 @@ class Engine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+        # the model, its KV pool and CUDA graphs go now, not when this object does: an Engine made
+        # next (`with Engine(...)` in a loop) would otherwise find the GPU full
+        del self.scheduler_service
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
         return self

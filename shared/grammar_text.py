@@ -23,8 +23,10 @@ def grammar_text(kind: str, text: str) -> str:
     """llguidance's grammar for it; ValueError naming the field when it cannot be converted."""
     from llguidance import LLMatcher
 
-    if kind == "regex":
-        return LLMatcher.grammar_from_regex(text)
+    if kind == "regex":  # \d \w \s as ASCII classes, as xgrammar (SGLang), JavaScript and JSON Schema
+        from llguidance import regex_to_lark  # read them: [0-9], [0-9a-zA-Z_], [ \t\n\r\f\v]
+
+        return LLMatcher.grammar_from_lark(f"start: /{regex_to_lark(text, 'dws')}/")
     if kind == "json_schema":
         try:
             schema = json.loads(text)

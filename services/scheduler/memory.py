@@ -31,24 +31,38 @@ class KVPool:
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        # freed slots wait here until an allocation needs them: one concatenation for many frees,
+        # where concatenating at every free copied the whole free list (a million slots on a GPU)
+        # for each finished request
+        self._returned: list[torch.Tensor] = []
+        self._returned_count = 0
 
     @property
     def free_count(self) -> int:
-        return self._free.numel()
+        return self._free.numel() + self._returned_count
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slots, or None when fewer are free (the caller evicts or retracts, then retries)."""
         if n > self._free.numel():
-            return None
+            if n > self.free_count:
+                return None
+            self._merge()
         out, self._free = self._free[:n], self._free[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat((self._free, slots.to(self.device, torch.int64)))
+            self._returned.append(slots.to(self.device, torch.int64))
+            self._returned_count += slots.numel()
 
     def free_slots(self) -> torch.Tensor:
+        self._merge()
         return self._free
+
+    def _merge(self) -> None:
+        if self._returned:
+            self._free = torch.cat((self._free, *self._returned))
+            self._returned, self._returned_count = [], 0
 
     def check(self, cached: int, in_use: int, cached_slots: torch.Tensor | None) -> None:
         """free + cached + in use == pool size, else AssertionError; with the cache's slots (when no
@@ -58,7 +72,7 @@ class KVPool:
             raise AssertionError(
                 f"KV leak: free {free} + cached {cached} + in use {in_use} != pool {self.size}"
             )
-        if cached_slots is not None and torch.cat((self._free, cached_slots)).unique().numel() != self.size:
+        if cached_slots is not None and torch.cat((self.free_slots(), cached_slots)).unique().numel() != self.size:
             raise AssertionError("KV slots duplicated between the free list and the cache")
 
 

@@ -127,3 +127,25 @@ def test_tiny_random_safetensors_folder(tmp_path, model_folder, make_engine):
     # dummy load of the same shape gives different (random) weights but the same contract
     dummy = make_engine(model_path=folder, load_format="dummy")
     assert len(dummy.generate("x", {"max_new_tokens": 3, "ignore_eos": True})["output_ids"]) == 3
+
+
+def test_shutdown_frees_the_model_at_once(tmp_path, model_folder):
+    """After shutdown() nothing holds the model (its KV pool, CUDA graphs), even while the Engine
+    object lives on, as in `with Engine(...)` in a loop, where the next engine needs the memory."""
+    import gc
+    import weakref
+
+    from sglbus import Engine
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 128, "tie_word_embeddings": False, "eos_token_id": 2,
+    }  # fmt: skip
+    folder = write_dummy_folder(str(tmp_path / "tiny"), cfg, tokenizer_from=model_folder)
+    with Engine(model_path=folder, load_format="dummy") as engine:
+        engine.generate("x", {"max_new_tokens": 2})
+        model = weakref.ref(engine.scheduler_service.runner.model)
+    gc.collect()
+    assert model() is None

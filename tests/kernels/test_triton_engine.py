@@ -76,3 +76,21 @@ def test_shared_prefix_decode_matches_torch(make_engine, tiny, monkeypatch):
     assert not calls
     assert run("triton") == ref
     assert calls, "the cascade kernel never ran"
+
+
+def test_start_up_warm_up_touches_no_request_state(tiny):
+    """The CUDA start-up warm-up (every step kind on the padding row, KV slot 0) runs through the
+    triton backend and leaves the KV pool, the request rows and the KV of real slots as they were."""
+    import torch
+
+    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.warmup import warm_up
+    from shared.config import EngineConfig
+
+    runner = ModelRunner(EngineConfig(model_path=tiny, device="cpu", attention_backend="triton",
+                                      max_total_tokens=64, max_running_requests=4), tiny)  # fmt: skip
+    slots, rows = runner.kv.free_count, runner.req_to_token.free_count
+    before = [k[1:].clone() for k in runner.kv.k]
+    assert warm_up(runner) > 0
+    assert (runner.kv.free_count, runner.req_to_token.free_count) == (slots, rows)
+    assert all(torch.equal(k[1:], b) for k, b in zip(runner.kv.k, before, strict=True))

@@ -158,3 +158,34 @@ def test_batched_masks_equal_the_rows_one_by_one(setup):
         m.fill_bitmask(row)
         assert torch.equal(batched[j], row), j
     assert not torch.equal(batched[0], batched[1])
+
+
+def test_a_byte_level_vocabulary_saved_with_a_decoder_sequence_is_read_as_bytes(model_folder, tmp_path):
+    """transformers 5.17 saves the default model's GGUF tokenizer with a decoder Sequence around
+    ByteLevel; read as is, llguidance takes "\u0120" for two bytes, not a space. The backend reads it
+    as the byte-level vocabulary it is: a space is allowed where the grammar wants one."""
+    import llguidance
+
+    data = json.loads(open(os.path.join(model_folder, "tokenizer.json"), encoding="utf-8").read())
+    data["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, data["decoder"]]}  # fmt: skip
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    raw = llguidance.LLTokenizer(str(path))
+    assert raw.decode_bytes(raw.tokenize_bytes(b"a b")) != b"a b"  # the misreading this guards against
+    mc = ModelConfig.from_folder(model_folder)
+    backend = LLGuidanceBackend(str(path), mc.vocab_size, mc.eos_token_ids)
+    space = backend.tokenizer.tokenize_bytes(b" ")
+    m = backend.compile(GrammarSpec("regex", r"\(\d{3}\) \d")).matcher()
+    assert m.accept(backend.tokenizer.tokenize_bytes(b"(100)")) and m.accept(space), m.error
+
+
+def test_regex_classes_are_ascii(setup):
+    """\\d, \\w and \\s mean [0-9], [0-9a-zA-Z_] and ASCII blanks, as in xgrammar and JavaScript: a
+    Unicode digit (here Arabic-Indic) is refused."""
+    backend, tok, _ = setup
+    m = backend.compile(GrammarSpec("regex", r"\d\w\s")).matcher()
+    assert not m.accept(tok.encode("\u0663", add_special_tokens=False))
+    m = backend.compile(GrammarSpec("regex", r"\d\w\s")).matcher()
+    assert m.accept(tok.encode("7_ ", add_special_tokens=False)) and m.done, m.error
