@@ -20,6 +20,7 @@ POLICIES = ("lpm", "dfs-weight", "fcfs")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance")
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
@@ -82,6 +83,10 @@ class EngineConfig:
     )
     disable_jump_forward: bool = option(
         False, "decode a grammar's forced continuations one token per step (for comparison)"
+    )
+    grammar_backend: str = option(
+        "auto", "library of regex / json_schema / ebnf decoding; auto: xgrammar when installed, else "
+        "llguidance", GRAMMAR_BACKENDS
     )
     grammar_compile_timeout: float = option(
         10.0, "seconds; a regex / json_schema / ebnf that takes longer to compile ends its request (400)"

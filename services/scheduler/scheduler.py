@@ -380,8 +380,9 @@ class Scheduler(RequestIntake):
                 r.finish = {"type": "length", "length": len(r.output)}
                 self.output.emit(r, [])
         for r, n in st.prefilled:
-            if r.finish is None:
-                self.tree.cache_unfinished(r, n)  # share the prefix with requests that arrive meanwhile
+            if r.finish is None:  # share the prefix with requests that arrive meanwhile; a jump-forward
+                # retokenization above may have dropped KV past num_computed (freed: not to be cached)
+                self.tree.cache_unfinished(r, min(n, r.num_computed))
         if len(st.prefilled) < len(st.batch):
             self._log.decode_step(self, generated)
 

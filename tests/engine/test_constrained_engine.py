@@ -175,3 +175,28 @@ def test_an_eos_the_tokenizer_lacks_falls_back_to_its_own(model_folder):
 
     backend = LLGuidanceBackend(f"{model_folder}/tokenizer.json", 128256, (128001,))  # a borrowed tokenizer
     assert backend.tokenizer.eos_token < 49152
+
+
+# a nested schema whose greedy output retokenizes inside a jump-forward extend on the default model
+NESTED = json.loads(
+    '{"type": "object", "properties": {"ks": {"type": "array", "items": {"type": "string", "maxLength": 5},'
+    ' "maxItems": 2}, "a_xcw": {"type": "boolean"}, "mjtre": {"type": "object", "properties": {"mxb": '
+    '{"type": "object", "properties": {"stream": {"type": "boolean"}, "ctd": {"type": "object", "properties":'
+    ' {"xgetsm": {"type": "integer", "minimum": -16, "maximum": 8}}, "required": ["xgetsm"], '
+    '"additionalProperties": false}}, "required": ["ctd", "stream"], "additionalProperties": false}, '
+    '"clqdwp": {"type": "object", "properties": {"mh": {"enum": ["vhluxd", "geplpu"]}}, "required": ["mh"], '
+    '"additionalProperties": false}, "s": {"type": "integer", "minimum": 1, "maximum": 63}}, "required": '
+    '["clqdwp", "mxb", "s"], "additionalProperties": false}}, "required": ["a_xcw", "ks", "mjtre"], '
+    '"additionalProperties": false}'
+)
+
+
+def test_a_retokenized_extend_caches_only_the_kv_it_kept(make_engine):
+    """A jump-forward extend whose completion retokenizes (and frees the KV of) its own last tokens
+    shares only the kept tokens with the radix cache: a freed slot cached too was a KV leak that the
+    fixture's integrity check (free list and cache disjoint) catches."""
+    engine = make_engine()
+    out = engine.generate("Some data as JSON (ks, a_xcw, mjtre):",
+                          {"temperature": 0, "max_new_tokens": 160, "json_schema": json.dumps(NESTED)})  # fmt: skip
+    assert json.loads(out["text"]).keys() == NESTED["properties"].keys()
+    assert engine.get_stats()["retokenized"] > 0

@@ -13,16 +13,17 @@ import torch
 
 pytest.importorskip("llguidance")
 
+from services.scheduler.constrained.admission import backend_class  # noqa: E402
 from services.scheduler.constrained.grammar import GrammarCache, GrammarError, GrammarSpec  # noqa: E402
-from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend  # noqa: E402
 from shared.model_config import ModelConfig  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def setup(model_folder):
+@pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
+def setup(request, model_folder):
     mc = ModelConfig.from_folder(model_folder)
-    backend = LLGuidanceBackend(os.path.join(model_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids)
+    cls = backend_class(request.param)
+    backend = cls(os.path.join(model_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids)
     return backend, load_tokenizer(model_folder), mc
 
 
@@ -132,14 +133,18 @@ def test_cache_keeps_the_most_recently_used(setup):
 
 
 def test_retokenize_gives_canonical_tokens_of_the_same_bytes(setup):
-    backend = setup[0]
-    tok = backend.tokenizer
-    brace, forced = tok.tokenize_str("{"), tok.tokenize_str('"name')
+    backend, tok, _ = setup
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    brace, forced = enc("{"), enc('"name')
     new = backend.retokenize(brace + forced)
-    assert new == tok.tokenize_str('{"name') != brace + forced
-    assert tok.decode_bytes(new) == b'{"name'
-    assert backend.retokenize(tok.tokenize_bytes("aé".encode())) is not None
-    assert backend.retokenize(tok.tokenize_bytes(b"\xc3")) is None  # half a character
+    assert new == enc('{"name') != brace + forced
+    assert tok.decode(new) == '{"name'
+    assert backend.retokenize(enc("aé")) == enc("aé")
+    half = tok.convert_tokens_to_ids("\u00c3")  # the byte-level token of the byte 0xC3 alone
+    assert backend.retokenize(enc("a") + [half]) is None  # half a character
 
 
 def test_batched_masks_equal_the_rows_one_by_one(setup):
@@ -160,7 +165,8 @@ def test_batched_masks_equal_the_rows_one_by_one(setup):
     assert not torch.equal(batched[0], batched[1])
 
 
-def test_a_byte_level_vocabulary_saved_with_a_decoder_sequence_is_read_as_bytes(model_folder, tmp_path):
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_a_byte_level_vocabulary_saved_with_a_decoder_sequence_is_read_as_bytes(model_folder, tmp_path, name):
     """transformers 5.17 saves the default model's GGUF tokenizer with a decoder Sequence around
     ByteLevel; read as is, llguidance takes "\u0120" for two bytes, not a space. The backend reads it
     as the byte-level vocabulary it is: a space is allowed where the grammar wants one."""
@@ -175,10 +181,11 @@ def test_a_byte_level_vocabulary_saved_with_a_decoder_sequence_is_read_as_bytes(
     raw = llguidance.LLTokenizer(str(path))
     assert raw.decode_bytes(raw.tokenize_bytes(b"a b")) != b"a b"  # the misreading this guards against
     mc = ModelConfig.from_folder(model_folder)
-    backend = LLGuidanceBackend(str(path), mc.vocab_size, mc.eos_token_ids)
-    space = backend.tokenizer.tokenize_bytes(b" ")
+    backend = backend_class(name)(str(path), mc.vocab_size, mc.eos_token_ids)
+    tok = load_tokenizer(model_folder)
+    space = tok.encode(" ", add_special_tokens=False)
     m = backend.compile(GrammarSpec("regex", r"\(\d{3}\) \d")).matcher()
-    assert m.accept(backend.tokenizer.tokenize_bytes(b"(100)")) and m.accept(space), m.error
+    assert m.accept(tok.encode("(100)", add_special_tokens=False)) and m.accept(space), m.error
 
 
 def test_regex_classes_are_ascii(setup):
@@ -189,3 +196,16 @@ def test_regex_classes_are_ascii(setup):
     assert not m.accept(tok.encode("\u0663", add_special_tokens=False))
     m = backend.compile(GrammarSpec("regex", r"\d\w\s")).matcher()
     assert m.accept(tok.encode("7_ ", add_special_tokens=False)) and m.done, m.error
+
+
+def test_json_strings_refuse_raw_control_characters(setup):
+    """JSON strings take control characters only escaped (json.loads refuses them raw), with or
+    without maxLength (xgrammar's grammar for maxLength strings allowed them: patched)."""
+    backend, tok, _ = setup
+    for string in ({"type": "string", "maxLength": 8}, {"type": "string"}):
+        schema = {"type": "object", "properties": {"a": string}, "required": ["a"]}
+        m = backend.compile(GrammarSpec("json_schema", json.dumps(schema))).matcher()
+        starts = [tok.encode(s, add_special_tokens=False) for s in ('{"a":"x', '{"a": "x')]  # separators
+        start = next(ids for ids in starts if m.validate(ids) == len(ids))  # differ by backend
+        assert m.accept(start), m.error
+        assert not m.accept(tok.encode("\x10", add_special_tokens=False))

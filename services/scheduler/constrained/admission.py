@@ -9,12 +9,11 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from services.scheduler.constrained.grammar import GrammarCache, GrammarError, Retokenizer
+from services.scheduler.constrained.grammar import GrammarBackend, GrammarCache, GrammarError, Retokenizer
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
     from services.scheduler.model_runner import ModelRunner
     from services.scheduler.request import Req
     from shared.config import SchedulerConfig
@@ -23,9 +22,10 @@ if TYPE_CHECKING:
 class GrammarAdmission:
     def __init__(self, config: SchedulerConfig, runner: ModelRunner) -> None:
         self.timeout_s = config.grammar_compile_timeout
+        self._backend_name = config.grammar_backend
         self._tokenizer_path, self._runner = config.tokenizer_path, runner  # read at the first grammar
         self._cache: GrammarCache | None = None  # built at the first request with a grammar
-        self._backend: LLGuidanceBackend | None = None
+        self._backend: GrammarBackend | None = None
         self._broken: str | None = None  # why the backend could not be built
 
     def ready(self, req: Req, now: float) -> bool:
@@ -68,12 +68,10 @@ class GrammarAdmission:
         if self._cache is None:
             if self._broken is not None:  # tried once: every grammar request fails alike, at once
                 raise GrammarError(self._broken, 500)
-            from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
-
             mc = self._runner.model_config
             try:
                 folder = self._tokenizer_path or self._runner.model_folder
-                self._backend = LLGuidanceBackend(
+                self._backend = backend_class(self._backend_name)(
                     os.path.join(folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
                 )
             except Exception as e:
@@ -82,3 +80,21 @@ class GrammarAdmission:
                 raise GrammarError(self._broken, 500) from e
             self._cache = GrammarCache(self._backend.compile)
         return self._cache
+
+
+def backend_class(name: str) -> type[GrammarBackend]:
+    """The grammar backend class for `--grammar-backend` (auto: xgrammar when it imports)."""
+    if name == "auto":
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            name = "llguidance"
+        else:
+            name = "xgrammar"
+    if name == "xgrammar":
+        from services.scheduler.constrained.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend
+    from services.scheduler.constrained.llguidance_backend import LLGuidanceBackend
+
+    return LLGuidanceBackend

@@ -97,6 +97,14 @@ class Retokenizer(ABC):
         UTF-8 characters or any of `tokens` is a special token (nothing to retokenize then)."""
 
 
+class GrammarBackend(Retokenizer):
+    """A grammar library on the model's tokenizer: compiles grammars (GrammarError when one cannot be
+    used) and retokenizes (llguidance_backend.py, xgrammar_backend.py)."""
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar: ...
+
+
 class GrammarCache:
     """Compiled grammars by (kind, text), compiled on a small thread pool off the step loop; the
     `capacity` most recently used are kept (a request holds its own matcher, not the cache entry)."""

@@ -15,10 +15,10 @@ import torch
 
 from services.scheduler.constrained.grammar import (
     CompiledGrammar,
+    GrammarBackend,
     GrammarError,
     GrammarSpec,
     Matcher,
-    Retokenizer,
 )
 from shared.grammar_text import grammar_text, one_line
 
@@ -80,7 +80,7 @@ class LLGuidanceGrammar(CompiledGrammar):
         return LLGuidanceMatcher(self._pristine.deep_copy())
 
 
-_PROBE = " Hello, world! 12 {\"a\": [3.5]}\n\tnaïve 日本"
+PROBE = " Hello, world! 12 {\"a\": [3.5]}\n\tnaïve 日本"
 
 
 def tokenizer_text(path: str) -> str:
@@ -101,7 +101,7 @@ def tokenizer_text(path: str) -> str:
     return json.dumps(data)
 
 
-class LLGuidanceBackend(Retokenizer):
+class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         import llguidance
 
@@ -112,7 +112,7 @@ class LLGuidanceBackend(Retokenizer):
         except ValueError:  # an EOS id the tokenizer lacks (a config whose vocabulary is not the
             # tokenizer's, as a config-only folder with a borrowed tokenizer): the tokenizer's own EOS
             self.tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size)
-        probe = _PROBE.encode()
+        probe = PROBE.encode()
         if self.tokenizer.decode_bytes(self.tokenizer.tokenize_bytes(probe)) != probe:
             # masks from a misread vocabulary would be silently wrong: refuse to serve grammars
             raise ValueError(f"llguidance misreads the vocabulary of {tokenizer_json} (text does not "
