@@ -68,9 +68,8 @@ class EngineConfig:
     attention_backend: str = option(
         "auto", "attention implementation; auto: triton on GPU, torch on CPU", ATTENTION_BACKENDS
     )
-    cuda_graph_max_bs: int | None = option(
-        None, "largest decode batch replayed from a CUDA graph (GPU only); unset: 4096 on a GPU of 100 GiB "
-        "or more, else 512 (never above max_running_requests)"
+    cuda_graph_max_bs: int = option(
+        512, "largest decode batch replayed from a CUDA graph (GPU only; never above max_running_requests)"
     )
     disable_cuda_graph: bool = option(False, "run every decode step eagerly (GPU only; for comparison)")
     disable_overlap_schedule: bool | None = option(
@@ -105,7 +104,7 @@ class EngineConfig:
 
         check_choices(self)
         need(self.chunked_prefill_size is None or self.chunked_prefill_size >= 1, "chunked_prefill_size >= 1")
-        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
+        need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
         need(self.max_total_tokens is None or self.max_total_tokens >= 2, "max_total_tokens must be >= 2")
         need(
             self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,

@@ -38,7 +38,6 @@ _GPU_MEM_FRACTION = 0.85
 _CPU_MAX_DEFAULT_TOKENS = 1 << 17
 _CPU_MAX_RUNNING = 64
 _GPU_MAX_RUNNING = 4096
-_GRAPH_BS, _LARGE_GPU_GRAPH_BS = 512, 4096
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,7 +103,7 @@ class ModelRunner:
             from services.scheduler.cuda_graph import CudaGraphRunner
 
             t0 = time.perf_counter()
-            max_bs = min(config.cuda_graph_max_bs or self._default_graph_bs(), self.max_running_requests)
+            max_bs = min(config.cuda_graph_max_bs, self.max_running_requests)
             self.graphs = CudaGraphRunner(self.model, self.attn, self.req_to_token, max_bs)
             log.info("captured %d CUDA graphs (decode batches up to %d) in %.1f s",
                      len(self.graphs.buckets), max_bs, time.perf_counter() - t0)  # fmt: skip
@@ -133,13 +132,6 @@ class ModelRunner:
             return tokens
         budget = psutil.virtual_memory().available * (config.mem_fraction_static or _CPU_KV_FRACTION)
         return max(min(int(budget // per_token), _CPU_MAX_DEFAULT_TOKENS), 16)
-
-    def _default_graph_bs(self) -> int:
-        # graphs for the large batches of a big GPU: eager decode steps of 1,000-2,500 requests left the
-        # H200 idle 9.6 s of a 47.6 s run, graphs up to 4096 5.8 s of 44.8 s (docs/benchmarks.md);
-        # a small GPU keeps the memory (logits and activations of the largest graph) for the KV pool
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return _LARGE_GPU_GRAPH_BS if total >= 100 * 2**30 else _GRAPH_BS
 
     def _default_max_running(self) -> int:
         if self.device.type != "cuda":
