@@ -55,7 +55,9 @@ def llguidance_pass(folder: str, vocab: int, batch: int, steps: int, threads: in
     ex = llguidance.LLExecutor(threads or None)
 
     def fill(host: torch.Tensor) -> None:
-        ex.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(ms)], host.data_ptr(), host.shape[1] * 4, batch)
+        ex.unsafe_compute_mask_ptr(
+            [(m, j) for j, m in enumerate(ms)], host.data_ptr(), host.shape[1] * 4, batch
+        )
 
     return _walk(fill, lambda j, t: ms[j].consume_token(t), lambda j: ms[j].is_stopped(), batch, vocab, steps)
 
@@ -68,8 +70,10 @@ def xgrammar_pass(folder: str, vocab: int, batch: int, steps: int) -> float:
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     ms = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     batcher = xgr.BatchGrammarMatcher()
-    return _walk(lambda host: batcher.batch_fill_next_token_bitmask(ms, host),
-                 lambda j, t: ms[j].accept_token(t), lambda j: ms[j].is_terminated(), batch, vocab, steps)  # fmt: skip
+    fill = lambda host: batcher.batch_fill_next_token_bitmask(ms, host)  # noqa: E731
+    return _walk(
+        fill, lambda j, t: ms[j].accept_token(t), lambda j: ms[j].is_terminated(), batch, vocab, steps
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,8 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--vocab", type=int, default=None, help="bitmask width (default: the tokenizer's)")
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--threads", type=int, nargs="+", default=[0], help="llguidance pool sizes; 0: its default")
-    p.add_argument("--model-path", default=None, help="a folder with tokenizer.json (default: the default model)")
+    p.add_argument(
+        "--threads", type=int, nargs="+", default=[0], help="llguidance pool sizes; 0: its default"
+    )
+    p.add_argument(
+        "--model-path", default=None, help="a folder with tokenizer.json (default: the default model)"
+    )
     args = p.parse_args(argv)
     folder = resolve_model_folder(args.model_path, need_weights=False)
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"JSON schema masks, batch {args.batch}, vocab {vocab}, {os.cpu_count()} CPUs, {args.steps} steps")
     for n in args.threads:
         ms = llguidance_pass(folder, vocab, args.batch, args.steps, n)
-        print(f"llguidance, {n or 'default'} threads: {ms:.2f} ms per batched fill ({1e3 * ms / args.batch:.1f} us/row)")
+        per_row = 1e3 * ms / args.batch
+        print(f"llguidance, {n or 'default'} threads: {ms:.2f} ms per batched fill ({per_row:.1f} us/row)")
     try:
         ms = xgrammar_pass(folder, vocab, args.batch, args.steps)
         print(f"xgrammar, batched: {ms:.2f} ms per batched fill ({1e3 * ms / args.batch:.1f} us/row)")

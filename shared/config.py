@@ -84,8 +84,9 @@ class EngineConfig:
         False, "decode a grammar's forced continuations one token per step (for comparison)"
     )
     grammar_backend: str = option(
-        "auto", "library of regex / json_schema / ebnf decoding; auto: xgrammar when installed, else "
-        "llguidance", GRAMMAR_BACKENDS
+        "auto",
+        "library of regex / json_schema / ebnf decoding; auto: xgrammar when installed, else llguidance",
+        GRAMMAR_BACKENDS,
     )
     grammar_compile_timeout: float = option(
         10.0, "seconds; a regex / json_schema / ebnf that takes longer to compile ends its request (400)"

@@ -72,7 +72,10 @@ class KVPool:
             raise AssertionError(
                 f"KV leak: free {free} + cached {cached} + in use {in_use} != pool {self.size}"
             )
-        if cached_slots is not None and torch.cat((self.free_slots(), cached_slots)).unique().numel() != self.size:
+        if (
+            cached_slots is not None
+            and torch.cat((self.free_slots(), cached_slots)).unique().numel() != self.size
+        ):
             raise AssertionError("KV slots duplicated between the free list and the cache")
 
 

@@ -196,7 +196,7 @@ def test_a_retokenized_extend_caches_only_the_kv_it_kept(make_engine):
     shares only the kept tokens with the radix cache: a freed slot cached too was a KV leak that the
     fixture's integrity check (free list and cache disjoint) catches."""
     engine = make_engine()
-    out = engine.generate("Some data as JSON (ks, a_xcw, mjtre):",
-                          {"temperature": 0, "max_new_tokens": 160, "json_schema": json.dumps(NESTED)})  # fmt: skip
+    params = {"temperature": 0, "max_new_tokens": 160, "json_schema": json.dumps(NESTED)}
+    out = engine.generate("Some data as JSON (ks, a_xcw, mjtre):", params)
     assert json.loads(out["text"]).keys() == NESTED["properties"].keys()
     assert engine.get_stats()["retokenized"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tiny_llama import tiny_llama
 
 from shared.model_files import write_dummy_folder
 
@@ -111,14 +112,11 @@ def test_prompt_longer_than_context_is_refused_and_generation_stops_at_the_conte
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
+TINY = tiny_llama()
+
+
 def test_tiny_random_safetensors_folder(tmp_path, model_folder, make_engine):
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 512, "tie_word_embeddings": False, "eos_token_id": 2,
-    }  # fmt: skip
-    folder = write_dummy_folder(str(tmp_path / "tiny"), cfg, tokenizer_from=model_folder)
+    folder = write_dummy_folder(str(tmp_path / "tiny"), TINY, tokenizer_from=model_folder)
     engine = make_engine(model_path=folder)
     outs = engine.generate(
         ["Hello there", "Another prompt"], {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -137,13 +135,7 @@ def test_shutdown_frees_the_model_at_once(tmp_path, model_folder):
 
     from sglbus import Engine
 
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 128, "tie_word_embeddings": False, "eos_token_id": 2,
-    }  # fmt: skip
-    folder = write_dummy_folder(str(tmp_path / "tiny"), cfg, tokenizer_from=model_folder)
+    folder = write_dummy_folder(str(tmp_path / "tiny"), TINY, tokenizer_from=model_folder)
     with Engine(model_path=folder, load_format="dummy") as engine:
         engine.generate("x", {"max_new_tokens": 2})
         model = weakref.ref(engine.scheduler_service.runner.model)

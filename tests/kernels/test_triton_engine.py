@@ -8,14 +8,11 @@ import pytest
 
 pytest.importorskip("triton")
 
+from tiny_llama import tiny_llama  # noqa: E402
+
 from shared.model_files import write_dummy_folder  # noqa: E402
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
-    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": 2,
-}  # fmt: skip
+TINY = tiny_llama(intermediate_size=96, max_position_embeddings=256)
 PROMPTS = [
     list(range(100, 140)),
     list(range(100, 130)) + [7, 8, 9],  # shares 30 tokens with the first: a cached prefix

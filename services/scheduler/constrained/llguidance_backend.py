@@ -80,7 +80,7 @@ class LLGuidanceGrammar(CompiledGrammar):
         return LLGuidanceMatcher(self._pristine.deep_copy())
 
 
-PROBE = " Hello, world! 12 {\"a\": [3.5]}\n\tnaïve 日本"
+PROBE = ' Hello, world! 12 {"a": [3.5]}\n\tnaïve 日本'
 
 
 def tokenizer_text(path: str) -> str:

@@ -26,9 +26,8 @@ from services.scheduler.constrained.grammar import (
 from services.scheduler.constrained.llguidance_backend import PROBE, tokenizer_text
 from shared.grammar_text import KINDS
 
-
-_LENGTH_LIMITED_CHAR = r'[^\"\\\r\n]'  # one character of a string with maxLength, as xgrammar writes it
-_JSON_CHAR = r'[^\0-\x1f\"\\]'  # what JSON allows unescaped
+_LENGTH_LIMITED_CHAR = r"[^\"\\\r\n]"  # one character of a string with maxLength, as xgrammar writes it
+_JSON_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped
 
 
 class XGrammarMatcher(Matcher):
@@ -113,7 +112,9 @@ class XGrammarBackend(GrammarBackend):
         self._tok = tokenizers.Tokenizer.from_str(tokenizer_text(tokenizer_json))
         hf = PreTrainedTokenizerFast(tokenizer_object=self._tok)
         known = [t for t in eos_ids if t < self._tok.get_vocab_size(with_added_tokens=True)]
-        info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=known or None)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            hf, vocab_size=vocab_size, stop_token_ids=known or None
+        )
         self._bytes = [b"" if t is None else t for t in info.decoded_vocab]
         self._special = set(info.special_token_ids)
         self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # GrammarCache caches
