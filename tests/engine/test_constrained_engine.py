@@ -111,6 +111,7 @@ def _gate_compiles(engine) -> threading.Event:
     gate = threading.Event()
 
     def hold(s) -> None:
+        s.grammars.backend()  # started: the compile timeout runs from here
         cache = s.grammars._grammars()
         real = cache._compile
         cache._compile = lambda spec: gate.wait(60) and real(spec)
@@ -200,3 +201,34 @@ def test_a_retokenized_extend_caches_only_the_kv_it_kept(make_engine):
     out = engine.generate("Some data as JSON (ks, a_xcw, mjtre):", params)
     assert json.loads(out["text"]).keys() == NESTED["properties"].keys()
     assert engine.get_stats()["retokenized"] > 0
+
+
+def test_a_slow_backend_start_does_not_count_as_compile_time(make_engine, monkeypatch):
+    """The grammar library is imported and set up on the compile threads (seconds for xgrammar), not
+    on the step loop, and the compile timeout starts once it is up: a backend that takes longer than
+    the timeout to start still serves the first grammar, and the request beside it finishes."""
+    import time as _time
+
+    import services.scheduler.constrained.admission as admission
+
+    real = admission.backend_class
+
+    def slow(name):
+        cls = real(name)
+
+        def build(*args):
+            _time.sleep(2.0)
+            return cls(*args)
+
+        return build
+
+    monkeypatch.setattr(admission, "backend_class", slow)
+    engine = make_engine(grammar_compile_timeout=0.5)
+    t0 = _time.monotonic()
+    free = engine.generate("y", {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True})
+    assert _time.monotonic() - t0 < 60 and free["meta_info"]["finish_reason"]["type"] == "length"
+    params = [{"temperature": 0, "max_new_tokens": 8, "regex": "[0-9]{3}"},
+              {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}]  # fmt: skip
+    constrained, other = engine.generate(["Digits:", "z"], params)
+    assert re.fullmatch("[0-9]{3}", constrained["text"]), constrained
+    assert other["meta_info"]["finish_reason"] == {"type": "length", "length": 4}

@@ -7,11 +7,21 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from typing import TYPE_CHECKING
 
-from services.scheduler.constrained.grammar import GrammarBackend, GrammarCache, GrammarError, Retokenizer
+from services.scheduler.constrained.grammar import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarCache,
+    GrammarError,
+    GrammarSpec,
+    Retokenizer,
+)
 
 log = logging.getLogger(__name__)
+BACKEND_START_S = 120.0  # importing and setting up the grammar library, before any compile's own timeout
 
 if TYPE_CHECKING:
     from services.scheduler.model_runner import ModelRunner
@@ -26,19 +36,26 @@ class GrammarAdmission:
         self._tokenizer_path, self._runner = config.tokenizer_path, runner  # read at the first grammar
         self._cache: GrammarCache | None = None  # built at the first request with a grammar
         self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._ready_at: float | None = None  # when the backend was built (the compile clock starts)
         self._broken: str | None = None  # why the backend could not be built
 
     def ready(self, req: Req, now: float) -> bool:
         """Whether req's matcher is there (made now if its grammar just compiled); False while it
         compiles. GrammarError when the request cannot have one; never another exception (the step
-        must not fail for one request's grammar)."""
+        must not fail for one request's grammar). The compile timeout counts from the request's
+        arrival or from when the backend was built, whichever is later: the first grammar also waits
+        for the library's import (seconds), which is not its grammar's fault."""
         assert req.grammar is not None
         if req.matcher is not None:
             return True
         try:
             fut = self._grammars().submit(req.grammar)
             if not fut.done():
-                if now - req.arrival > self.timeout_s:
+                ready_at = self._ready_at
+                if ready_at is None and now - req.arrival > self.timeout_s + BACKEND_START_S:
+                    raise GrammarError(f"the grammar backend did not start within {BACKEND_START_S:g} s", 500)
+                if ready_at is not None and now - max(req.arrival, ready_at) > self.timeout_s:
                     raise GrammarError(
                         f"compiling the {req.grammar.kind} took longer than {self.timeout_s:g} s"
                     )
@@ -60,26 +77,40 @@ class GrammarAdmission:
 
     @property
     def retokenizer(self) -> Retokenizer:
-        self._grammars()
+        """The backend (built: a request with a matcher exists)."""
         assert self._backend is not None
         return self._backend
 
     def _grammars(self) -> GrammarCache:
+        if self._broken is not None:  # tried once: every grammar request fails alike, at once
+            raise GrammarError(self._broken, 500)
         if self._cache is None:
-            if self._broken is not None:  # tried once: every grammar request fails alike, at once
-                raise GrammarError(self._broken, 500)
-            mc = self._runner.model_config
-            try:
-                folder = self._tokenizer_path or self._runner.model_folder
-                self._backend = backend_class(self._backend_name)(
-                    os.path.join(folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
-                )
-            except Exception as e:
-                log.exception("the grammar backend cannot start")
-                self._broken = f"constrained decoding is unavailable on this server: {type(e).__name__}: {e}"
-                raise GrammarError(self._broken, 500) from e
-            self._cache = GrammarCache(self._backend.compile)
+            self._cache = GrammarCache(self._compile)
         return self._cache
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """On the cache's threads (importing the library takes seconds; the step loop must not wait)."""
+        return self.backend().compile(spec)
+
+    def backend(self) -> GrammarBackend:
+        """The backend, built by the first caller; GrammarError (500) when it cannot start."""
+        with self._backend_lock:
+            if self._backend is None:
+                if self._broken is not None:
+                    raise GrammarError(self._broken, 500)
+                mc = self._runner.model_config
+                folder = self._tokenizer_path or self._runner.model_folder
+                try:
+                    self._backend = backend_class(self._backend_name)(
+                        os.path.join(folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
+                    )
+                except Exception as e:
+                    log.exception("the grammar backend cannot start")
+                    why = f"{type(e).__name__}: {e}"
+                    self._broken = f"constrained decoding is unavailable on this server: {why}"
+                    raise GrammarError(self._broken, 500) from e
+                self._ready_at = time.monotonic()
+            return self._backend
 
 
 def backend_class(name: str) -> type[GrammarBackend]:
