@@ -22,9 +22,10 @@ from typing import Any
 import msgspec
 
 from services.gateway.body_parser import BodyParser
-from services.gateway.generate_input import GenerateInput, Prompt, check_vocabulary, parse_generate_input
+from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
 from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
+from services.gateway.prompt_tokens import PromptTokens
 from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
 from shared.transport import ACK, Message, Subjects, Subscription, Transport
@@ -91,15 +92,14 @@ class RequestManager:
         # scheduler, detokenizer and their NATS hops); with one request in flight, minus the
         # scheduler's step time, it is what the bus adds (benchmarks/bus_latency.py)
         self.stats: dict[str, float] = {"finished": 0, "bus_s": 0.0}
-        self._texts: dict[int, str] = {}  # token id -> its text alone, for return_text_in_logprobs
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        self._token_chars: int | None = None  # see _max_token_chars
+        self.prompt_tokens = PromptTokens(tokenizer, vocab_size, context_len)
         self.bodies = BodyParser(vocab_size)
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.out_subject, self._on_text)
         # decodes the whole vocabulary once (~0.4 s): now, off the loop, not during a first long prompt
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._max_token_chars)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt_tokens.max_token_chars)
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -154,7 +154,7 @@ class RequestManager:
 
     def _validate(self, p: Prompt) -> list[int]:
         """The prompt's token ids, after every check that needs the tokenizer or the vocabulary."""
-        ids = self._tokenize(p)
+        ids = self.prompt_tokens.ids(p)
         p.sampling.verify(self.vocab_size)
         grammar = grammar_of(p.sampling)
         if grammar is not None:
@@ -200,7 +200,8 @@ class RequestManager:
             now = time.time()
             st = _State(p.rid, len(p.input_ids), now)
             if p.logprob is not None:
-                st.new_logprobs = _logprob_factory(p, self.token_texts, shared[i] if shared else None)
+                texts = self.prompt_tokens.token_texts
+                st.new_logprobs = _logprob_factory(p, texts, shared[i] if shared else None)
                 st.logprobs = st.new_logprobs()
             states.append(st)
             msgs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
@@ -279,56 +280,6 @@ class RequestManager:
 
     async def abort(self, rids: list[str]) -> None:
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
-
-    def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token's text on its own (SGLang's return_text_in_logprobs)."""
-        cache, out = self._texts, []
-        for t in ids:
-            text = cache.get(t)
-            if text is None:
-                text = cache[t] = self.tokenizer.decode([t])
-            out.append(text)
-        return out
-
-    def _tokenize(self, p: Prompt) -> list[int]:
-        """The prompt's ids; given ids are checked against the context (before a scan of every id)
-        and the vocabulary here, a text's against the context in `_validate`."""
-        if p.input_ids is not None:
-            if self.context_len is not None:
-                p.sampling.verify_length(len(p.input_ids), self.context_len)
-            check_vocabulary(p.input_ids, self.vocab_size)
-            return p.input_ids
-        assert p.text is not None
-        self._refuse_far_too_long(p.text)
-        ids = self.tokenizer.encode(p.text)
-        if not ids:
-            raise ValueError(f"text {p.text[:40]!r} has no tokens; send a prompt the tokenizer can encode")
-        return ids
-
-    def _refuse_far_too_long(self, text: str) -> None:
-        """A text whose token count cannot fit the context is refused before tokenizing it (megabytes
-        take seconds): no token covers more than `_max_token_chars` characters of it."""
-        per_token = self._max_token_chars()
-        if per_token is None or self.context_len is None:
-            return
-        at_least = len(text) // per_token
-        if at_least >= self.context_len:
-            raise ValueError(
-                f"the prompt has at least {at_least} tokens ({len(text)} characters); at most "
-                f"{self.context_len - 1} fit the context length ({self.context_len})"
-            )
-
-    def _max_token_chars(self) -> int | None:
-        """The most characters of text one token can stand for (with a margin for the leading space a
-        decode may drop), or None when a normalizer could shrink the text before tokenizing."""
-        if self._token_chars is None:
-            backend = getattr(self.tokenizer, "backend_tokenizer", None)
-            if backend is None or backend.normalizer is not None:
-                self._token_chars = 0
-            else:
-                texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
-                self._token_chars = max(map(len, texts)) + 2
-        return self._token_chars or None
 
     async def _forget(self, states: list[_State]) -> None:
         unfinished = [st.rid for st in states if not st.finished]
