@@ -17,6 +17,7 @@ finishes in the background (its result is cached for the next request with the s
 
 from __future__ import annotations
 
+import json
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -103,6 +104,36 @@ class GrammarBackend(Retokenizer):
 
     @abstractmethod
     def compile(self, spec: GrammarSpec) -> CompiledGrammar: ...
+
+
+_PROBE = ' Hello, world! 12 {"a": [3.5]}\n\tnaïve 日本'
+
+
+def tokenizer_text(path: str) -> str:
+    """tokenizer.json's text as the grammar libraries should read it: a byte-level BPE's decoder is
+    plain ByteLevel. Some transformers versions (5.17) save the default model's GGUF-converted
+    tokenizer with a decoder Sequence (ByteFallback, Fuse, Replace "\u2581", ByteLevel); a library
+    then does not see a byte-level vocabulary (llguidance did not) and reads "\u0120" as the bytes
+    C4 A0 instead of a space, which makes every mask and forced token wrong. On a byte-level
+    vocabulary the other decoders change nothing."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    data = json.loads(text)
+    decoder = data.get("decoder") or {}
+    parts = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else []
+    byte_level = [d for d in parts if d.get("type") == "ByteLevel"]
+    if not byte_level:
+        return text
+    data["decoder"] = byte_level[0]
+    return json.dumps(data)
+
+
+def check_round_trip(round_trip: Callable[[str], bytes], path: str) -> None:
+    """ValueError unless a probe text survives a backend's tokenize + decode (round_trip: text -> the
+    bytes of its tokens): masks from a misread vocabulary would be silently wrong."""
+    if round_trip(_PROBE) != _PROBE.encode():
+        raise ValueError(f"the grammar backend misreads the vocabulary of {path} (text does not survive "
+                         "tokenize + decode)")  # fmt: skip
 
 
 class GrammarCache:

@@ -9,8 +9,6 @@ request gets a deep copy (cheaper than building it again).
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from services.scheduler.constrained.grammar import (
@@ -19,6 +17,8 @@ from services.scheduler.constrained.grammar import (
     GrammarError,
     GrammarSpec,
     Matcher,
+    check_round_trip,
+    tokenizer_text,
 )
 from shared.grammar_text import grammar_text, one_line
 
@@ -80,27 +80,6 @@ class LLGuidanceGrammar(CompiledGrammar):
         return LLGuidanceMatcher(self._pristine.deep_copy())
 
 
-PROBE = ' Hello, world! 12 {"a": [3.5]}\n\tnaïve 日本'
-
-
-def tokenizer_text(path: str) -> str:
-    """tokenizer.json's text as llguidance should read it: a byte-level BPE's decoder is plain ByteLevel.
-    Some transformers versions (5.17) save the default model's GGUF-converted tokenizer with a decoder
-    Sequence (ByteFallback, Fuse, Replace "\u2581", ByteLevel); llguidance then does not see a
-    byte-level vocabulary and reads "\u0120" as the bytes C4 A0 instead of a space, which makes every
-    mask and forced token wrong. On a byte-level vocabulary the other decoders change nothing."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    data = json.loads(text)
-    decoder = data.get("decoder") or {}
-    parts = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else []
-    byte_level = [d for d in parts if d.get("type") == "ByteLevel"]
-    if not byte_level:
-        return text
-    data["decoder"] = byte_level[0]
-    return json.dumps(data)
-
-
 class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         import llguidance
@@ -112,11 +91,8 @@ class LLGuidanceBackend(GrammarBackend):
         except ValueError:  # an EOS id the tokenizer lacks (a config whose vocabulary is not the
             # tokenizer's, as a config-only folder with a borrowed tokenizer): the tokenizer's own EOS
             self.tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size)
-        probe = PROBE.encode()
-        if self.tokenizer.decode_bytes(self.tokenizer.tokenize_bytes(probe)) != probe:
-            # masks from a misread vocabulary would be silently wrong: refuse to serve grammars
-            raise ValueError(f"llguidance misreads the vocabulary of {tokenizer_json} (text does not "
-                             "survive tokenize + decode)")  # fmt: skip
+        tok = self.tokenizer
+        check_round_trip(lambda text: tok.decode_bytes(tok.tokenize_bytes(text.encode())), tokenizer_json)
         self.vocab_size = vocab_size
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:

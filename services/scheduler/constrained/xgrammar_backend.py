@@ -22,8 +22,9 @@ from services.scheduler.constrained.grammar import (
     GrammarError,
     GrammarSpec,
     Matcher,
+    check_round_trip,
+    tokenizer_text,
 )
-from services.scheduler.constrained.llguidance_backend import PROBE, tokenizer_text
 from shared.grammar_text import KINDS
 
 _LENGTH_LIMITED_CHAR = r"[^\"\\\r\n]"  # one character of a string with maxLength, as xgrammar writes it
@@ -120,10 +121,7 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # GrammarCache caches
         self.batcher = xgrammar.BatchGrammarMatcher()
         self.vocab_size = vocab_size
-        probe = PROBE.encode()
-        if self.decode_bytes(self.encode(PROBE)) != probe:
-            raise ValueError(f"xgrammar misreads the vocabulary of {tokenizer_json} (text does not survive "
-                             "tokenize + decode)")  # fmt: skip
+        check_round_trip(lambda text: self.decode_bytes(self.encode(text)), tokenizer_json)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
