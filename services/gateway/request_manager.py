@@ -80,7 +80,7 @@ class RequestManager:
         gateway_id: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.context_len = context_len
+        self.prompt_tokens = PromptTokens(tokenizer, vocab_size, context_len)
         self.transport = transport
         self.subjects = Subjects(subject_prefix)
         self.vocab_size = vocab_size
@@ -93,8 +93,15 @@ class RequestManager:
         # scheduler's step time, it is what the bus adds (benchmarks/bus_latency.py)
         self.stats: dict[str, float] = {"finished": 0, "bus_s": 0.0}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        self.prompt_tokens = PromptTokens(tokenizer, vocab_size, context_len)
         self.bodies = BodyParser(vocab_size)
+
+    @property
+    def context_len(self) -> int | None:
+        return self.prompt_tokens.context_len
+
+    @context_len.setter
+    def context_len(self, n: int | None) -> None:  # the gateway learns it from a scheduler at start
+        self.prompt_tokens.context_len = n
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.out_subject, self._on_text)
