@@ -1,7 +1,8 @@
 """The grammar bitmask of a whole decode batch: B matchers of the JSON workload's schema walk random
 valid paths (each step takes a random allowed token per row, as a model with random weights does)
 and every step fills all B masks at once. Per backend: llguidance's batched fill on its thread pool
-(`--threads`, default its own choice) and, when installed, xgrammar's batched fill. Each backend
+and xgrammar's batched fill, each with `--threads` (0: the library's own choice); for xgrammar also
+the rows' accept + forced-string + done work of a step over as many Python threads. Each backend
 walks its own matchers in its own pass; the first steps (warm caches) are left out.
 
     python -m benchmarks.grammar_batch --batch 256 --vocab 128256 --threads 1 4 0
@@ -62,18 +63,40 @@ def llguidance_pass(folder: str, vocab: int, batch: int, steps: int, threads: in
     return _walk(fill, lambda j, t: ms[j].consume_token(t), lambda j: ms[j].is_stopped(), batch, vocab, steps)
 
 
-def xgrammar_pass(folder: str, vocab: int, batch: int, steps: int) -> float:
+def xgrammar_pass(folder: str, vocab: int, batch: int, steps: int, threads: int) -> tuple[float, float]:
+    """(ms per batched fill, ms per step of the rows' accept + forced-string work): the fill on
+    BatchGrammarMatcher(max_threads=threads, 0: 'auto'), the matcher work split over `threads`
+    Python threads as the scheduler's GrammarDecode.consume splits it (1: one by one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
     info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(folder), vocab_size=vocab)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     ms = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
-    batcher = xgr.BatchGrammarMatcher()
+    batcher = xgr.BatchGrammarMatcher(max_threads=threads or "auto")
     fill = lambda host: batcher.batch_fill_next_token_bitmask(ms, host)  # noqa: E731
-    return _walk(
-        fill, lambda j, t: ms[j].accept_token(t), lambda j: ms[j].is_terminated(), batch, vocab, steps
-    )
+    pool, work = ThreadPoolExecutor(max(threads, 1)), [0.0]
+    pending: list[tuple[int, int]] = []
+
+    def rows(chunk: list[tuple[int, int]]) -> None:
+        for j, t in chunk:
+            ms[j].accept_token(t)
+            ms[j].find_jump_forward_string()
+            ms[j].is_terminated()
+
+    def accept(j: int, t: int) -> None:  # collects the step's tokens; the last row runs them all
+        pending.append((j, t))
+        if len(pending) < batch:
+            return
+        start, size = time.perf_counter(), -(-batch // max(threads, 1))
+        list(pool.map(rows, [pending[i : i + size] for i in range(0, batch, size)]))
+        work[0] += time.perf_counter() - start
+        pending.clear()
+
+    fill_ms = _walk(fill, accept, lambda j: ms[j].is_terminated(), batch, vocab, steps)
+    return fill_ms, 1e3 * work[0] / (steps + _SKIP)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=None, help="bitmask width (default: the tokenizer's)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument(
-        "--threads", type=int, nargs="+", default=[0], help="llguidance pool sizes; 0: its default"
+        "--threads", type=int, nargs="+", default=[0], help="thread counts to try; 0: each library's default"
     )
     p.add_argument(
         "--model-path", default=None, help="a folder with tokenizer.json (default: the default model)"
@@ -98,11 +121,16 @@ def main(argv: list[str] | None = None) -> None:
         ms = llguidance_pass(folder, vocab, args.batch, args.steps, n)
         per_row = 1e3 * ms / args.batch
         print(f"llguidance, {n or 'default'} threads: {ms:.2f} ms per batched fill ({per_row:.1f} us/row)")
-    try:
-        ms = xgrammar_pass(folder, vocab, args.batch, args.steps)
-        print(f"xgrammar, batched: {ms:.2f} ms per batched fill ({1e3 * ms / args.batch:.1f} us/row)")
-    except ImportError as e:
-        print(f"xgrammar: not installed ({e})")
+    for n in args.threads:
+        try:
+            ms, work = xgrammar_pass(folder, vocab, args.batch, args.steps, n)
+        except ImportError as e:
+            print(f"xgrammar: not installed ({e})")
+            break
+        print(
+            f"xgrammar, {n or 'default'} threads: {ms:.2f} ms per batched fill ({1e3 * ms / args.batch:.1f} "
+            f"us/row); accept + forced + done {work:.2f} ms per step ({1e3 * work / args.batch:.1f} us/row)"
+        )
 
 
 if __name__ == "__main__":
