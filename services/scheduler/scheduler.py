@@ -361,12 +361,6 @@ class Scheduler(RequestIntake):
         tokens = self.sampling.finish(st.drawn) if st.drawn is not None else []
         self.timer.collect(st.marks)
         generated = 0
-        constrained = [(r, t) for r, t in zip(st.samplers, tokens, strict=True)
-                       if r.matcher is not None and r.finish is None]  # fmt: skip
-        consumed = {
-            r.uid: c for (r, _), c in zip(constrained, self.grammar_decode.consume(constrained), strict=True)
-        }
-        retokenizer = self.grammars.retokenizer if constrained else None
         for r, tok in zip(st.samplers, tokens, strict=True):
             if r.pending_step == st.number:  # else its token of the next step, launched already, waits
                 r.pending = 0
@@ -376,7 +370,7 @@ class Scheduler(RequestIntake):
                 r.output.append(tok)
                 r.check_finished(tok, self.context_len)
                 start: int | None = len(r.output) - 1
-            elif (start := self.grammar_decode.advance(r, tok, retokenizer, consumed[r.uid])) is None:
+            elif (start := self.grammar_decode.advance(r, tok, self.grammars.retokenizer)) is None:
                 continue  # the grammar refused it: aborted
             self.output.emit(r, r.output[start:])
             generated += 1

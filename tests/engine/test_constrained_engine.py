@@ -41,23 +41,6 @@ def test_grammars_hold_in_a_mixed_batch(engine):
     assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
 
 
-def test_matcher_work_split_over_threads_gives_the_same_outputs(engine, monkeypatch):
-    from services.scheduler.constrained import jump_forward
-
-    prompts = [f"Person number {i} as JSON:" for i in range(6)]
-    params = [{"temperature": 0.8 if i % 2 else 0, "sampling_seed": i, "max_new_tokens": 48,
-               "json_schema": json.dumps(SCHEMA)} for i in range(6)]  # fmt: skip
-    serial = engine.generate(prompts, params)
-    monkeypatch.setattr(jump_forward, "WORKERS", 3)  # CI has 2 cores: one worker there otherwise
-    monkeypatch.setattr(jump_forward, "PARALLEL_ROWS", 2)
-    engine.flush_cache()
-    threaded = engine.generate(prompts, params)
-    assert any(t.name.startswith("grammar-step") for t in threading.enumerate())
-    assert [o["text"] for o in threaded] == [o["text"] for o in serial]
-    for o in threaded:
-        assert set(json.loads(o["text"])) == {"name", "age"}
-
-
 def test_a_bad_grammar_is_a_400_and_ends_only_its_request(engine):
     with pytest.raises(ValueError, match=r"sampling_params.regex is invalid: .*unclosed group"):
         engine.generate("x", {"max_new_tokens": 4, "regex": "(unclosed"})  # the gateway's check

@@ -13,19 +13,11 @@ text is the same bytes, so what a client already received stays right). Only tok
 alone holds are replaced, never a prefix already in the radix tree; a tail that is not whole UTF-8
 characters, or holds a special token, is not retokenized (the forced tokens are appended as they
 are). Requests that asked for logprobs do not jump (forced tokens have no logprobs), and penalties
-count sampled tokens only.
-
-A step's constrained rows go in two passes: `consume` runs the library's part (each matcher takes
-its token, then finds its forced continuation and whether it is done) on a few threads for a big
-batch (xgrammar releases the GIL in these calls, so they run in parallel), then `advance` does the
-Python part row by row: append, finish checks, retokenization, KV."""
+count sampled tokens only."""
 
 from __future__ import annotations
 
 import logging
-import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 from services.scheduler.constrained.grammar import GrammarError, Retokenizer
 from services.scheduler.memory import KVPool, ReqToTokenPool
@@ -33,17 +25,6 @@ from services.scheduler.request import Req
 
 log = logging.getLogger(__name__)
 RETOKENIZE_TAIL = 4  # output tokens before a forced continuation that retokenization may merge with it
-PARALLEL_ROWS = 64  # constrained rows from which a step's matcher work is split over threads
-WORKERS = max(1, min(8, (os.cpu_count() or 1) // 2))
-
-
-class Consumed(NamedTuple):
-    """A row's matcher after its sampled token (`GrammarDecode.consume`)."""
-
-    ok: bool  # the grammar took the token
-    forced: list[int]  # the forced continuation that follows ([] when it does not jump)
-    done: bool | None  # the matcher takes nothing more but EOS (None: not known, ask it)
-    error: Exception | None = None  # the grammar machinery failed on this row
 
 
 class GrammarDecode:
@@ -52,7 +33,6 @@ class GrammarDecode:
         self.kv, self.req_to_token, self.context_len = kv, req_to_token, context_len
         self.eos, self.jump_forward, self.stats = eos_ids[0], jump_forward, stats
         stats.update(jump_forward_steps=0, jump_forward_tokens=0, retokenized=0)
-        self._pool: ThreadPoolExecutor | None = None
 
     def start(self, r: Req, retokenizer: Retokenizer) -> None:
         """At admission, once r's matcher exists: a forced start is appended (prefilled with the prompt).
@@ -65,83 +45,44 @@ class GrammarDecode:
             log.exception("jump-forward failed for request %s", r.rid)
             raise GrammarError(f"internal error in constrained decoding: {type(e).__name__}: {e}", 500) from e
 
-    def consume(self, rows: list[tuple[Req, int]]) -> list[Consumed]:
-        """The library's part of a step for each (request, sampled token): the matcher takes the token
-        and finds what is forced next; over WORKERS threads from PARALLEL_ROWS rows. Reads the
-        requests, changes only their matchers."""
-        if WORKERS == 1 or len(rows) < PARALLEL_ROWS:
-            return [self._consume(r, t) for r, t in rows]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="grammar-step")
-        size = -(-len(rows) // WORKERS)
-        chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
-        return [c for part in self._pool.map(lambda ch: [self._consume(r, t) for r, t in ch], chunks)
-                for c in part]  # fmt: skip
-
-    def _consume(self, r: Req, tok: int) -> Consumed:
-        m = r.matcher
-        assert m is not None
-        try:
-            if not ((tok in r.stop_ids and m.done) or m.accept([tok])):
-                return Consumed(False, [], None)
-            room = self._room(r, len(r.output) + 1)
-            forced = m.forced()[:room] if room else []
-            return Consumed(True, forced, None if forced else m.done)
-        except Exception as e:  # reported by advance, for this request alone
-            return Consumed(False, [], None, e)
-
-    def advance(self, r: Req, tok: int, retokenizer: Retokenizer, c: Consumed) -> int | None:
-        """r sampled `tok`, which its matcher took or refused in `consume` (c): None, and r aborted,
-        when the grammar refused it or failed; else it is appended, the forced continuation follows,
-        and a grammar that can take nothing more ends r. Returns the output index from which r's
-        tokens are new or replaced."""
+    def advance(self, r: Req, tok: int, retokenizer: Retokenizer) -> int | None:
+        """r sampled `tok`: the matcher takes it (None, and r aborted, when the grammar refuses it or
+        fails), it is appended, the forced continuation follows, and a grammar that can take nothing
+        more ends r. Returns the output index from which r's tokens are new or replaced."""
         m = r.matcher
         assert m is not None and r.grammar is not None
         try:
-            if c.error is not None:
-                raise c.error
-            if not c.ok:
+            if not ((tok in r.stop_ids and m.done) or m.accept([tok])):
                 return self._abort(r, f"the {r.grammar.kind} refused token {tok}: {m.error}")
             r.output.append(tok)
             r.check_finished(tok, self.context_len)
             start = len(r.output) - 1
             if r.finish is None:
-                start = min(start, self._jump(r, retokenizer, c.forced))
-                self._end_if_done(r, None if c.forced else c.done)
+                start = min(start, self._jump(r, retokenizer))
+                self._end_if_done(r)
             return start
         except Exception as e:  # one request's grammar must not fail the step
             log.exception("constrained decoding failed for request %s", r.rid)
             return self._abort(r, f"internal error in constrained decoding: {type(e).__name__}: {e}")
 
-    def _room(self, r: Req, out_len: int) -> int:
-        """How many forced tokens r may take after out_len output tokens (0: it does not jump)."""
-        room = min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - out_len
-        return room if self.jump_forward and r.lp is None and room > 0 else 0
-
     def _abort(self, r: Req, message: str) -> None:
         r.finish = {"type": "abort", "message": message, "status_code": 500}
         self.stats["request_failures"] += 1
 
-    def _end_if_done(self, r: Req, done: bool | None = None) -> None:
-        """The grammar allows only EOS now (done: already asked, None: ask the matcher): EOS is
-        appended without a forward (even with ignore_eos, which has nothing else to sample)."""
-        if (
-            r.finish is None
-            and r.matcher is not None
-            and len(r.output) < r.max_new_tokens
-            and (r.matcher.done if done is None else done)
-        ):
+    def _end_if_done(self, r: Req) -> None:
+        """The grammar allows only EOS now: EOS is appended without a forward (even with ignore_eos,
+        which has nothing else to sample)."""
+        if r.finish is None and r.matcher is not None and r.matcher.done and len(r.output) < r.max_new_tokens:
             r.output.append(self.eos)
             r.finish = {"type": "stop", "matched": self.eos}
 
-    def _jump(self, r: Req, retokenizer: Retokenizer, forced: list[int] | None = None) -> int:
-        """Append r's forced continuation (None: ask the matcher), if any; returns the output index
-        from which r's tokens are new or replaced (len(r.output) when nothing moved)."""
+    def _jump(self, r: Req, retokenizer: Retokenizer) -> int:
+        """Append r's forced continuation, if any; returns the output index from which r's tokens are
+        new or replaced (len(r.output) when nothing moved)."""
         m, out = r.matcher, r.output
         assert m is not None
-        room = self._room(r, len(out))
-        if forced is None:
-            forced = m.forced()[:room] if room else []
+        room = min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - len(out)
+        forced = m.forced()[:room] if self.jump_forward and r.lp is None and room > 0 else []
         if not forced:
             return len(out)
         tail = self._tail(r)

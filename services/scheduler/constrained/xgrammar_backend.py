@@ -78,16 +78,17 @@ class XGrammarMatcher(Matcher):
     @property
     def done(self) -> bool:
         """Terminated, or complete with nothing but a stop token allowed next (xgrammar's is_terminated
-        waits for the stop token itself)."""
+        waits for the stop token itself): the mask's words with the stop tokens' bits cleared are 0."""
         if self._m.is_terminated():
             return True
         if not self._m.is_completed():
             return False
         row = torch.zeros((self._backend.vocab_size + 31) // 32, dtype=torch.int32)
         self.fill_bitmask(row)
-        allowed = ((row.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
-        allowed[[t for t in self._m.stop_token_ids if t < allowed.numel()]] = 0
-        return not bool(allowed.any())
+        for t in self._m.stop_token_ids:
+            if t < self._backend.vocab_size:
+                row[t // 32] &= ~(1 << (t % 32)) if t % 32 < 31 else 0x7FFFFFFF
+        return not bool(row.any())
 
     @property
     def error(self) -> str:
