@@ -115,6 +115,7 @@ class BatchTextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Detokenizer -> the gateway that owns these requests."""
 
     outs: list[TextOut] = []
+    worker: str = ""  # the worker (scheduler + detokenizer) that produced them: the gateway's metrics
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -134,7 +135,7 @@ def encode_split(msg: BatchTokenOut | BatchTextOut, limit: int) -> list[bytes]:
     if isinstance(msg, BatchTokenOut):
         parts: list = _split_token_out(msg)
     else:
-        parts = [BatchTextOut(outs=[o]) for o in msg.outs]
+        parts = [BatchTextOut(outs=[o], worker=msg.worker) for o in msg.outs]
     out: list[bytes] = []
     group: list = []  # single-request parts, merged greedily up to the limit
     size = 0
@@ -171,7 +172,7 @@ def _split_token_out(msg: BatchTokenOut) -> list[BatchTokenOut]:
 
 def _merge(parts: list) -> BatchTokenOut | BatchTextOut:
     if isinstance(parts[0], BatchTextOut):
-        return BatchTextOut(outs=[o for p in parts for o in p.outs])
+        return BatchTextOut(outs=[o for p in parts for o in p.outs], worker=parts[0].worker)
     out = BatchTokenOut()
     for p in parts:
         out.new_reqs += p.new_reqs

@@ -3,6 +3,8 @@
 `SamplingParams.from_dict` turns a client's dict into the struct (`null` means the default), `verify`
 checks ranges and `verify_length` the prompt against the context; all raise `ValueError` with a message
 naming the field and what is allowed. The scheduler runs the same checks on what reaches it over the bus.
+SGLang's parameters that are not fields here (shared/sglang_fields.py lists them all) are accepted at
+their defaults and refused by name otherwise; `unsupported` names the fields here not honoured yet.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import msgspec
 import regex
+
+from shared.sglang_fields import SAMPLING_PARAMS, SGLANG_VERSION
 
 # Below this temperature sampling is greedy (SGLang's rule).
 GREEDY_TEMPERATURE = 1e-6
@@ -56,13 +60,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             return cls()
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(cls.__struct_fields__))
+        honoured = cls.__struct_fields__
+        unknown = sorted(k for k in d if k not in honoured and k not in SAMPLING_PARAMS)
         if unknown:
             raise ValueError(
-                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
-                f"allowed: {', '.join(cls.__struct_fields__)}"
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; allowed (SGLang "
+                f"{SGLANG_VERSION}'s): {', '.join(SAMPLING_PARAMS)}"
             )
-        clean = {k: v for k, v in d.items() if v is not None}
+        todo = [k for k, v in d.items() if k not in honoured and v is not None and v != SAMPLING_PARAMS[k]]
+        if todo:
+            raise ValueError(
+                f"sampling parameter(s) {', '.join(todo)} cannot be honoured yet; leave them unset"
+            )
+        clean = {k: v for k, v in d.items() if v is not None and k in honoured}
         for key in ("stop", "stop_regex"):
             if isinstance(clean.get(key), str):
                 clean[key] = [clean[key]]

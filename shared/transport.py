@@ -80,8 +80,20 @@ class Subjects:
     def api_generate(self) -> str:
         return f"{self.prefix}.api.generate"
 
+    @property
+    def api_completions(self) -> str:
+        return f"{self.prefix}.api.completions"
+
+    @property
+    def api_chat_completions(self) -> str:
+        return f"{self.prefix}.api.chat_completions"
+
     def ctl(self, what: str) -> str:
         return f"{self.prefix}.ctl.{what}"
+
+    def ctl_all(self, what: str) -> str:
+        """Every scheduler answers (no queue group): the gateway's fan-out to all workers."""
+        return f"{self.prefix}.ctl.all.{what}"
 
 
 class Subscription(ABC):

@@ -43,6 +43,7 @@ class DetokenizerService:
             log.warning("ignoring a message on %s that is not a valid step output: %s", m.subject, e)
             return
         for subject, batch in outs.items():
+            batch.worker = self.worker_id
             for data in encode_split(batch, self.transport.max_payload):
                 await self.transport.publish(subject, data)
         for abort in stopped:

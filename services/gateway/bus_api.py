@@ -6,6 +6,11 @@ the reply subject and `[DONE]` ends the stream. Bad input gets `{"error": {"mess
 (then `[DONE]` when streaming), with the same message as the HTTP 400. A payload over
 `max_request_bytes` (smaller than HTTP's body limit: the bus is shared by every service) gets a 413 at
 once, before anything parses it; a bus that cannot take the request gets a 503.
+
+OpenAI's endpoints the same way: `<prefix>.api.completions` and `<prefix>.api.chat_completions` take
+the `/v1/completions` and `/v1/chat/completions` bodies and answer with the same objects (streamed: each
+chunk its own message, then `[DONE]`); errors in OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from typing import Any
 
 import orjson
 
+from services.gateway.generate_input import decode_json
+from services.gateway.openai_errors import OpenAIError
+from services.gateway.openai_serving import OpenAIServing
 from services.gateway.request_manager import RequestManager
 from shared.transport import BusUnavailable, Message, Transport
 
@@ -24,16 +32,55 @@ END = b"[DONE]"
 
 
 class BusApi:
-    def __init__(self, requests: RequestManager, transport: Transport, max_request_bytes: int) -> None:
+    def __init__(self, requests: RequestManager, transport: Transport, max_request_bytes: int,
+                 openai: OpenAIServing) -> None:  # fmt: skip
         self.requests, self.transport, self.max_request_bytes = requests, transport, max_request_bytes
+        self.openai = openai
         self._tasks: set[asyncio.Task] = set()
 
     async def on_request(self, m: Message) -> None:
-        if not m.reply:
-            return  # fire-and-forget has nobody to answer
-        task = asyncio.get_running_loop().create_task(self._serve(m.data, m.reply))
+        """A `GenerateReqInput` on `<prefix>.api.generate`."""
+        if m.reply:  # fire-and-forget has nobody to answer
+            self._start(self._serve(m.data, m.reply))
+
+    async def on_completion(self, m: Message) -> None:
+        if m.reply:
+            self._start(self._serve_openai(m.data, m.reply, "completion"))
+
+    async def on_chat_completion(self, m: Message) -> None:
+        if m.reply:
+            self._start(self._serve_openai(m.data, m.reply, "chat"))
+
+    def _start(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)  # one task per request: the subscription keeps taking new ones
         task.add_done_callback(self._tasks.discard)
+
+    async def _serve_openai(self, data: bytes, reply: str, kind: str) -> None:
+        stream = b'"stream"' in data  # a guess until it parses: [DONE] ends even a rejected stream
+        try:
+            if len(data) > self.max_request_bytes:
+                raise OpenAIError(f"the request has {len(data)} bytes, over the bus API's limit of "
+                                  f"{self.max_request_bytes}", None, 413)  # fmt: skip
+            try:
+                body = decode_json(data)
+            except ValueError as e:
+                raise OpenAIError(str(e)) from None
+            stream = isinstance(body, dict) and body.get("stream") is True
+            sub = await self.openai.submit(kind, body)
+            if stream:
+                async for payload in self.openai.chunks(sub):
+                    await self._send(reply, payload)
+            else:
+                await self._send(reply, await self.openai.answer(sub))
+        except OpenAIError as e:
+            await self._send(reply, e.body())
+        except Exception as e:  # answer rather than leave the caller waiting
+            log.exception("bus API request failed")
+            await self._send(reply, {"error": {"message": f"internal error: {e}", "type": "server_error",
+                                               "param": None, "code": None}})  # fmt: skip
+        if stream:
+            await self.transport.publish(reply, END)
 
     async def _serve(self, data: bytes, reply: str) -> None:
         if len(data) > self.max_request_bytes:  # not parsed: whether it streams is a guess

@@ -13,34 +13,15 @@ import orjson
 from services.gateway.logprob_options import FIELDS as LOGPROB_FIELDS
 from services.gateway.logprob_options import LogprobOptions, parse_logprob_options
 from shared.sampling_params import SamplingParams
+from shared.sglang_fields import GENERATE_REQ_INPUT, SGLANG_VERSION, is_default
 
-# fields the engine honours
-SUPPORTED = ("text", "input_ids", "sampling_params", "rid", "stream", "log_metrics", *LOGPROB_FIELDS)
-# fields SGLang accepts that the engine cannot honour yet: accepted when null/false/default, else 400
-NOT_YET = {
-    "image_data": None,
-    "video_data": None,
-    "audio_data": None,
-    "input_embeds": None,
-    "modalities": None,
-    "return_hidden_states": False,
-    "session_params": None,
-    "lora_path": None,
-    "lora_id": None,
-    "custom_logit_processor": None,
-    "bootstrap_host": None,
-    "bootstrap_port": None,
-    "bootstrap_room": None,
-    "data_parallel_rank": None,
-    "priority": None,
-    "background": False,
-    "conversation_id": None,
-    "extra_key": None,
-    "no_logs": False,
-    "custom_labels": None,
-    "return_bytes": False,
-    "return_entropy": False,
-}
+# fields the engine honours: these, and the logprob fields (one beyond SGLang among them)
+SUPPORTED = (
+    "text", "input_ids", "sampling_params", "rid", "stream", "log_metrics", "return_prompt_token_ids",
+    *LOGPROB_FIELDS,
+)  # fmt: skip
+# the rest of SGLang's fields, which the engine cannot honour yet: accepted at their defaults, else 400
+NOT_YET = {k: v for k, v in GENERATE_REQ_INPUT.items() if k not in SUPPORTED}
 # samples per prompt: each is a request of its own, so a bound keeps one body from fanning out without
 # end (OpenAI's limit)
 MAX_N = 128
@@ -53,6 +34,7 @@ class Prompt:
     input_ids: list[int] | None
     sampling: SamplingParams
     logprob: LogprobOptions | None = None
+    return_prompt_ids: bool = False  # return_prompt_token_ids: the response carries prompt_token_ids
 
 
 @dataclass
@@ -93,8 +75,14 @@ def parse_generate_input(obj: Any) -> GenerateInput:
     if params[0].n > MAX_N:
         raise ValueError(f"sampling_params.n = {params[0].n} is invalid; allowed: integers in [1, {MAX_N}]")
     logprobs = parse_logprob_options(obj, n)
+    if stream and obj.get("return_flat_raw_output_top_logprobs"):
+        raise ValueError("return_flat_raw_output_top_logprobs is set on the finished response only; it does "
+                         "not support stream: true")  # fmt: skip
+    prompt_ids = obj.get("return_prompt_token_ids")
+    if prompt_ids is not None and not isinstance(prompt_ids, bool):
+        raise ValueError("return_prompt_token_ids must be true or false")
     prompts = [
-        Prompt(r, t, i, p, lp)
+        Prompt(r, t, i, p, lp, bool(prompt_ids))
         for r, (t, i), p, lp in zip(_rids(obj.get("rid"), n, is_batch), items, params, logprobs, strict=True)
     ]
     # n > 1: one response per sample, grouped prompt by prompt, always a list (as SGLang)
@@ -104,14 +92,18 @@ def parse_generate_input(obj: Any) -> GenerateInput:
 def _check_fields(obj: dict[str, Any]) -> None:
     unknown = sorted(k for k in obj if k not in SUPPORTED and k not in NOT_YET)
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}; GenerateReqInput fields: "
-                         f"{', '.join(SUPPORTED + tuple(NOT_YET))}")  # fmt: skip
-    for key, default in NOT_YET.items():
-        value = obj.get(key)
-        if value is not None and value != default and value != [] and not (isinstance(value, list) and all(
-            v is None or v == default for v in value
-        )):  # fmt: skip
-            raise ValueError(f"{key} is not supported yet by this server; leave it unset")
+        known = ", ".join(SUPPORTED + tuple(NOT_YET))
+        raise ValueError(
+            f"unknown field(s) {', '.join(map(repr, unknown))}; fields (SGLang {SGLANG_VERSION}'s "
+            f"GenerateReqInput): {known}"
+        )
+    todo = [k for k, default in NOT_YET.items() if not is_default(obj.get(k), default)]
+    if todo:
+        one = len(todo) == 1
+        raise ValueError(
+            f"{', '.join(todo)} {'is' if one else 'are'} not supported yet by this server; leave "
+            f"{'it' if one else 'them'} unset"
+        )
 
 
 def _inputs(text: Any, ids: Any) -> tuple[list[tuple[str | None, list[int] | None]], bool]:

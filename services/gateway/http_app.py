@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
@@ -20,15 +19,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sglbus
 from services.gateway.body_parser import BodyParser
-from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
+from services.gateway.generate_input import GenerateInput, parse_generate_input
+from services.gateway.http_util import json_response, read_json, server_failed, wait_or_disconnect
+from services.gateway.metrics import metrics_route
+from services.gateway.openai_api import openai_routes
 from services.gateway.service import Gateway
 from shared.transport import BusUnavailable
 
 log = logging.getLogger(__name__)
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 def error(message: str, status: int = 400) -> Response:
@@ -62,23 +60,6 @@ class ApiKeyAuth:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
-class BodyTooLarge(ValueError):
-    pass
-
-
-async def read_json(request: Request, limit: int, parse: bool = True) -> Any:
-    """The body (decoded JSON, or the bytes with parse=False), refused past `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
-    return decode_json(bytes(body)) if parse else bytes(body)
-
-
 async def read_request(request: Request, limit: int, bodies: BodyParser) -> GenerateInput:
     """The body as a GenerateInput (ValueError when it is not a valid one)."""
     _, parsed = await bodies.parse(await read_json(request, limit, parse=False))
@@ -100,15 +81,10 @@ def build_app(gw: Gateway) -> Starlette:
             return error(f"the request could not be queued: {e}; retry", 503)
         if req.stream:
             return StreamingResponse(_sse(gw, req, states), media_type="text/event-stream")
-        waiter = asyncio.ensure_future(gw.requests.wait(req, states))
-        while not (await asyncio.wait({waiter}, timeout=1.0))[0]:
-            if await request.is_disconnected():  # nobody to answer: wait() aborts what is unfinished
-                waiter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiter
-                return Response(status_code=499)
-        result = waiter.result()
-        failed = next((r for r in _as_list(result) if _server_error(r)), None)
+        answered, result = await wait_or_disconnect(request, gw.requests.wait(req, states))
+        if not answered:  # nobody to answer
+            return Response(status_code=499)
+        failed = next((r for r in _as_list(result) if server_failed(r)), None)
         if failed is not None:
             reason = failed["meta_info"]["finish_reason"]
             return error(reason["message"], reason.get("status_code", 500))
@@ -184,6 +160,8 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/server_info", server_info, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/metrics", metrics_route(gw), methods=["GET"]),
+        *openai_routes(gw),
     ]
     auth = [Middleware(ApiKeyAuth, api_key=gw.cfg.api_key)] if gw.cfg.api_key else []
     return Starlette(routes=routes, middleware=auth)
@@ -191,7 +169,7 @@ def build_app(gw: Gateway) -> Starlette:
 
 async def _sse(gw: Gateway, req: GenerateInput, states: list) -> AsyncIterator[bytes]:
     async for chunk in gw.requests.stream(req, states):
-        if _server_error(chunk):
+        if server_failed(chunk):
             msg = chunk["meta_info"]["finish_reason"]["message"]
             yield b"data: " + orjson.dumps({"error": {"message": msg}}) + b"\n\n"
         else:
@@ -201,8 +179,3 @@ async def _sse(gw: Gateway, req: GenerateInput, states: list) -> AsyncIterator[b
 
 def _as_list(result: Any) -> list[dict[str, Any]]:
     return result if isinstance(result, list) else [result]
-
-
-def _server_error(resp: dict[str, Any]) -> bool:
-    reason = resp["meta_info"].get("finish_reason") or {}
-    return reason.get("type") == "abort" and "status_code" in reason

@@ -58,7 +58,7 @@ class LogprobAccumulator:
         # output side: one row per output token so far
         tok = self._array("output_token")
         ids = np.asarray(output_ids[: len(tok)], dtype=np.int32)
-        self._side(meta, "output", tok, ids, 0, False, o.output_b64)
+        self._side(meta, "output", tok, ids, 0, o.output_flat, o.output_b64)
         return meta
 
     def _side(

@@ -16,6 +16,7 @@ FIELDS = {
     "token_ids_logprob": None,
     "return_text_in_logprobs": False,
     "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_output_top_logprobs": False,
     "return_flat_raw_top_logprobs_b64": False,
     # beyond upstream: output_top_logprobs as flat base64 arrays too
     "return_output_top_logprobs_b64": False,
@@ -33,6 +34,7 @@ class LogprobOptions:
     flat_b64: bool  # ... base64-encoded
     output_b64: bool  # output_top_logprobs as flat base64 arrays
     input_shared: bool = False  # the prompt side comes from another request (n > 1): ask for output only
+    output_flat: bool = False  # output_top_logprobs as flat arrays (base64 when output_b64)
 
     def request(self) -> LogprobReq:
         start = -1 if self.input_shared else self.start_len
@@ -47,19 +49,26 @@ def parse_logprob_options(obj: dict[str, Any], n: int) -> list[LogprobOptions | 
     ids = _token_ids(obj.get("token_ids_logprob"), n)
     text = _bool("return_text_in_logprobs", _scalar(obj, "return_text_in_logprobs"))
     flat = _bool("return_flat_raw_top_logprobs", _scalar(obj, "return_flat_raw_top_logprobs"))
+    out_flat = _bool(
+        "return_flat_raw_output_top_logprobs", _scalar(obj, "return_flat_raw_output_top_logprobs")
+    )
     b64 = _bool("return_flat_raw_top_logprobs_b64", _scalar(obj, "return_flat_raw_top_logprobs_b64"))
     out_b64 = _bool("return_output_top_logprobs_b64", _scalar(obj, "return_output_top_logprobs_b64"))
-    if b64 and not flat:
-        raise ValueError("return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs")
+    if b64 and not (flat or out_flat):
+        raise ValueError("return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs or "
+                         "return_flat_raw_output_top_logprobs")  # fmt: skip
     if not any(want):
         asked = [k for k, v in (("top_logprobs_num", any(top)), ("token_ids_logprob", any(ids)),
                                 ("return_flat_raw_top_logprobs", flat),
+                                ("return_flat_raw_output_top_logprobs", out_flat),
                                 ("return_output_top_logprobs_b64", out_b64)) if v]  # fmt: skip
         if asked:
             raise ValueError(f"{', '.join(asked)} need(s) return_logprob: true")
         return [None] * n
+    # b64 applies to each side that is flat (SGLang's rule); return_output_top_logprobs_b64 alone is both
+    in_b64, out_b64 = flat and b64, out_b64 or (out_flat and b64)
     return [
-        LogprobOptions(s, k, i, text, flat, b64, out_b64) if w else None
+        LogprobOptions(s, k, i, text, flat, in_b64, out_b64, output_flat=out_flat or out_b64) if w else None
         for w, s, k, i in zip(want, start, top, ids, strict=True)
     ]
 

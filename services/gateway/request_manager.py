@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -29,6 +29,9 @@ from services.gateway.prompt_tokens import PromptTokens
 from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
 from shared.transport import ACK, Message, Subjects, Subscription, Transport
+
+if TYPE_CHECKING:
+    from services.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 # prompts longer than this (characters or ids) are tokenized and checked on a thread
@@ -52,6 +55,11 @@ class _State:
     attempt: int = 1  # the work-queue delivery whose output this state holds
     broken: bool = False  # output of this attempt was lost on the bus: waiting for the next one
     streamed: bool = False  # a stream has sent this request's tokens to its client
+    worker: str = ""  # the worker whose detokenizer sent its latest output (the metrics' label)
+    first_token_at: float | None = None  # wall clock of its first output token (time to first token)
+    last_token_at: float = 0.0  # of its latest output tokens (inter-token latency)
+    finished_at: float | None = None
+    prompt_ids: list[int] | None = None  # return_prompt_token_ids: sent with every response
 
     def response(self) -> dict[str, Any]:
         meta = {
@@ -66,7 +74,10 @@ class _State:
             meta.update(self.logprobs.meta(self.output_ids))
         if self.finished:
             meta["e2e_latency"] = time.time() - self.created
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        if self.prompt_ids is not None:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
 
 
 class RequestManager:
@@ -94,6 +105,7 @@ class RequestManager:
         self.stats: dict[str, float] = {"finished": 0, "bus_s": 0.0}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.bodies = BodyParser(vocab_size)
+        self.metrics: GatewayMetrics | None = None  # the gateway's /metrics (the offline Engine has none)
 
     @property
     def context_len(self) -> int | None:
@@ -205,7 +217,7 @@ class RequestManager:
                 raise ValueError(f"rid {p.rid!r} is already in use")
             rids.add(p.rid)
             now = time.time()
-            st = _State(p.rid, len(p.input_ids), now)
+            st = _State(p.rid, len(p.input_ids), now, prompt_ids=p.input_ids if p.return_prompt_ids else None)
             if p.logprob is not None:
                 texts = self.prompt_tokens.token_texts
                 st.new_logprobs = _logprob_factory(p, texts, shared[i] if shared else None)
@@ -266,7 +278,7 @@ class RequestManager:
             if st is not None and not st.finished:
                 log.warning("request %s failed: %s", rid, message)
                 st.meta["finish_reason"] = {"type": "abort", "message": message, "status_code": 503}
-                st.finished = True
+                st.finished, st.finished_at = True, time.time()
                 st.changed.set()
 
     def quiet_rids(self, seconds: float) -> list[str]:
@@ -291,14 +303,16 @@ class RequestManager:
     async def _forget(self, states: list[_State]) -> None:
         unfinished = [st.rid for st in states if not st.finished]
         for st in states:
-            self._states.pop(st.rid, None)
+            if self._states.pop(st.rid, None) is not None and self.metrics is not None:
+                self._count(st)
         if unfinished:  # the caller went away: free the scheduler's KV for these
             await asyncio.shield(self.abort(unfinished))
 
     # -- detokenizer output -------------------------------------------------------------------
     async def _on_text(self, m: Message) -> None:
         try:
-            outs = self._dec(m.data).outs
+            batch = self._dec(m.data)
+            outs = batch.outs
         except (msgspec.DecodeError, msgspec.ValidationError) as e:  # not from a detokenizer
             log.warning("ignoring a message on %s that is not a text output: %s", m.subject, e)
             return
@@ -323,22 +337,26 @@ class RequestManager:
                     self.subjects.abort, encode(AbortReq(rids=[st.rid], restart=True))
                 )
                 continue
-            self._add(st, out)
+            self._add(st, out, batch.worker)
             st.changed.set()
             if out.finished:  # the request is done: the work queue may forget it
                 await self.transport.settle_work(out.work_token, ACK)
 
-    def _add(self, st: _State, out: TextOut) -> None:
+    def _add(self, st: _State, out: TextOut, worker: str = "") -> None:
         if out.text_offset < len(st.text):  # the final output cut a stop_regex match short
             st.text = st.text[: out.text_offset]
         st.text += out.text  # a retokenization replaces ids (below), never text
+        before = len(st.output_ids)
         del st.output_ids[out.offset :]  # (an offset below our length: those ids were retokenized)
         st.output_ids.extend(out.output_ids)
+        st.worker = worker or st.worker
+        if self.metrics is not None and len(st.output_ids) > before:
+            self._observe_tokens(st, len(st.output_ids) - before)
         if out.logprobs is not None and st.logprobs is not None:
             st.logprobs.add(out.logprobs)
         if out.finished:
             st.meta.update(out.meta)
-            st.finished = True
+            st.finished, st.finished_at = True, time.time()
             self.stats["finished"] += 1
             self.stats["bus_s"] += time.perf_counter() - st.published
             log.info(
@@ -346,6 +364,29 @@ class RequestManager:
                 st.rid, st.prompt_tokens, len(st.output_ids), out.meta.get("cached_tokens", 0),
                 time.time() - st.created, _finish_text(out.meta.get("finish_reason")),
             )  # fmt: skip
+
+    def _observe_tokens(self, st: _State, n: int) -> None:
+        """n new output tokens: the first ones give the time to first token, later ones the latency
+        since the previous output, shared among them (SGLang's inter-token latency)."""
+        assert self.metrics is not None
+        now = time.time()
+        if st.first_token_at is None:
+            st.first_token_at = now
+            self.metrics.first_token(st.worker, now - st.created)
+        else:
+            self.metrics.inter_token(st.worker, now - st.last_token_at, n)
+        st.last_token_at = now
+
+    def _count(self, st: _State) -> None:
+        """The gateway is done with the request (answered, or its client went away): its token counts
+        as in its response's meta_info; aborted when it ended with an abort or never finished."""
+        assert self.metrics is not None
+        meta = st.meta
+        aborted = not st.finished or (meta.get("finish_reason") or {}).get("type") == "abort"
+        e2e = None if st.finished_at is None else st.finished_at - st.created
+        self.metrics.request_done(st.worker, meta.get("prompt_tokens", st.prompt_tokens),
+                                  meta.get("completion_tokens", len(st.output_ids)),
+                                  meta.get("cached_tokens", 0), e2e, aborted)  # fmt: skip
 
     async def _start_over(self, st: _State, attempt: int) -> bool:
         """A new attempt of the request (its worker died, or its output was lost) begins: forget what

@@ -1,5 +1,6 @@
-"""The gateway process's core: request manager, bus API, worker liveness and scheduler info over the bus.
-The HTTP layer (`http_app.py`) is a thin shell around it."""
+"""The gateway process's core: request manager, bus API, worker liveness, and the control requests
+that go to every live scheduler (server info, flush cache, the lost-request check; `fanout.py`) and
+the metrics (`metrics.py`). The HTTP layer (`http_app.py`) is a thin shell around it."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ import orjson
 
 from services.gateway.bus_api import BusApi
 from services.gateway.config import GatewayConfig
+from services.gateway.fanout import FanOut, combine_server_info, gather
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_serving import OpenAIServing
 from services.gateway.request_manager import RequestManager
 from shared.heartbeat import Heartbeat
 from shared.model_config import ModelConfig
 from shared.transport import Message, Subjects, Subscription, Transport
 
 log = logging.getLogger(__name__)
-_CTL_TIMEOUT_S = 5.0
+_CTL_TIMEOUT_S = 5.0  # a live scheduler that has not answered a control request by then is reported
 _LOST_CHECK_S = 5.0  # requests without output for this long are checked against the scheduler
 
 
@@ -32,14 +36,18 @@ class Gateway:
         self.subjects = Subjects(cfg.subject_prefix)
         self.requests = RequestManager(tokenizer, transport, cfg.subject_prefix, model.vocab_size,
                                        None, cfg.gateway_id)  # fmt: skip
-        self.bus_api = BusApi(self.requests, transport, cfg.max_bus_request_bytes)
+        self.openai = OpenAIServing(self.requests, lambda: (self.served_model_name, model_path, "default"))
+        self.bus_api = BusApi(self.requests, transport, cfg.max_bus_request_bytes, self.openai)
         self.scheduler_info: dict[str, Any] | None = None
         self._seen: dict[tuple[str, str], float] = {}  # (service, worker) -> last heartbeat
+        self._reports: dict[str, dict[str, Any]] = {}  # scheduler worker -> metrics of its last heartbeat
         self._dead_since: float | None = None  # when the last live pipeline went quiet
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
         self.served_model_name = os.path.splitext(os.path.basename(os.path.normpath(model_path)))[0]
+        self.metrics = GatewayMetrics(self.served_model_name, self.scheduler_reports)
+        self.requests.metrics = self.metrics
 
     async def start(self) -> None:
         await self.requests.start()
@@ -50,9 +58,10 @@ class Gateway:
                                     extra={"out_subject": self.requests.out_subject})  # fmt: skip
         self._heartbeat.start()
         self._subs.append(await self.transport.subscribe(s.ctl("heartbeat"), self._on_heartbeat))
-        self._subs.append(
-            await self.transport.subscribe(s.api_generate, self.bus_api.on_request, queue="gateways")
-        )
+        for subject, handler in ((s.api_generate, self.bus_api.on_request),
+                                 (s.api_completions, self.bus_api.on_completion),
+                                 (s.api_chat_completions, self.bus_api.on_chat_completion)):  # fmt: skip
+            self._subs.append(await self.transport.subscribe(subject, handler, queue="gateways"))
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._watch_workers()),
@@ -71,22 +80,65 @@ class Gateway:
         await self.requests.stop()
 
     # -- control plane ------------------------------------------------------------------------
-    async def ctl(self, what: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = await self.transport.request(
-            self.subjects.ctl(what), orjson.dumps(payload or {}), _CTL_TIMEOUT_S
-        )
-        return orjson.loads(data)
+    def live_schedulers(self) -> list[str]:
+        """Scheduler workers whose heartbeat is recent (a fan-out waits for each of them)."""
+        now = time.monotonic()
+        return sorted(w for (svc, w), t in self._seen.items()
+                      if svc == "scheduler" and now - t < self.cfg.worker_timeout)  # fmt: skip
 
-    async def refresh_info(self) -> dict[str, Any]:
-        info = await self.ctl("server_info")
+    async def fan_out(self, what: str, payload: dict[str, Any] | None = None,
+                      repeat: float | None = None) -> FanOut:  # fmt: skip
+        """Ask every scheduler (`ctl.all.<what>`); the answers of those that answered within the
+        timeout, and the live ones that did not. TimeoutError when none answered."""
+        subject = self.subjects.ctl_all(what)
+        expected = self.live_schedulers()
+        return await gather(self.transport, subject, payload or {}, expected, _CTL_TIMEOUT_S, repeat)
+
+    async def ctl(self, what: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`fan_out`, where every live scheduler must answer (TimeoutError naming those that did not),
+        the answers combined: a flag holds only if it holds on every worker (`success` of flush_cache),
+        lists are joined, other values are the first worker's; `workers` has each worker's answer."""
+        fan = await self.fan_out(what, payload)
+        if fan.missing:
+            raise TimeoutError(f"scheduler worker(s) {', '.join(fan.missing)} did not answer ctl.{what} "
+                               f"within {_CTL_TIMEOUT_S:g} s")  # fmt: skip
+        out: dict[str, Any] = {}
+        for answer in fan.ordered():
+            for key, value in answer.items():
+                if key not in out:
+                    out[key] = list(value) if isinstance(value, list) else value
+                elif isinstance(value, bool):
+                    out[key] = out[key] and value
+                elif isinstance(value, list):
+                    out[key] += value
+        failed = [w for w, a in fan.answers.items() if any(v is False for v in a.values())]
+        if failed:
+            log.warning("ctl.%s failed on scheduler worker(s) %s", what, ", ".join(sorted(failed)))
+        out["workers"] = fan.answers
+        return out
+
+    async def refresh_info(self, repeat: float | None = None) -> dict[str, Any]:
+        """Every live scheduler's server_info, combined (`fanout.combine_server_info`); each worker's
+        entry says whether its detokenizer is alive too (only then can it serve requests)."""
+        info = combine_server_info(await self.fan_out("server_info", repeat=repeat))
+        now = time.monotonic()
+        for state in info["internal_states"]:
+            seen = self._seen.get(("detokenizer", str(state.get("worker_id"))))
+            state["detokenizer_alive"] = seen is not None and now - seen < self.cfg.worker_timeout
         self.scheduler_info = info
         self.requests.context_len = info["context_length"]
         return info
 
+    def scheduler_reports(self) -> dict[str, dict[str, Any]]:
+        """The metrics on the last heartbeat of each live scheduler (for /metrics)."""
+        return {w: self._reports[w] for w in self.live_schedulers() if self._reports.get(w)}
+
     async def _fetch_info_until_ready(self) -> None:
+        """Asked every half second while the schedulers load their model (one that subscribes after a
+        fan-out went out never sees it); answers to earlier asks still count."""
         while self.scheduler_info is None:
             try:
-                await self.refresh_info()
+                await self.refresh_info(repeat=0.5)
             except Exception:  # the scheduler is still loading its model
                 await asyncio.sleep(0.5)
 
@@ -122,8 +174,17 @@ class Gateway:
             service, worker = beat["service"], beat["worker"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return
-        if service in ("scheduler", "detokenizer") and isinstance(worker, str):
-            self._seen[(service, worker)] = time.monotonic()
+        if service not in ("scheduler", "detokenizer") or not isinstance(worker, str):
+            return
+        now = time.monotonic()
+        if beat.get("leaving"):  # it stopped on purpose: no fan-out waits for it, no metrics from it
+            self._seen[(service, worker)] = now - self.cfg.worker_timeout
+            if service == "scheduler":
+                self._reports.pop(worker, None)
+            return
+        self._seen[(service, worker)] = now
+        if service == "scheduler" and isinstance(beat.get("metrics"), dict):
+            self._reports[worker] = beat["metrics"]
 
     async def _watch_lost_requests(self) -> None:
         """The work queue keeps a request until its output arrived here, and delivers it again when its
@@ -134,14 +195,16 @@ class Gateway:
         while True:
             await asyncio.sleep(_LOST_CHECK_S)
             quiet = self.requests.quiet_rids(_LOST_CHECK_S)
-            # known_rids asks one scheduler: with several workers a request could live on another one
-            if not quiet or len({w for svc, w in self._seen if svc == "scheduler"}) != 1:
+            if not quiet:
                 unknown_since.clear()
                 continue
-            try:
-                known = set((await self.ctl("known_rids", {"rids": quiet}))["rids"])
+            try:  # every live scheduler is asked: a request may run on any of them
+                fan = await self.fan_out("known_rids", {"rids": quiet})
             except Exception:  # no scheduler answered in time (busy or down): the liveness check decides
                 continue
+            if fan.missing:  # a live scheduler did not answer: it may hold them
+                continue
+            known = {rid for answer in fan.answers.values() for rid in answer.get("rids", ())}
             now = time.monotonic()
             unknown_since = {rid: unknown_since.get(rid, now) for rid in quiet if rid not in known}
             limit = 2 * (self.scheduler_info or {}).get("request_ack_wait", 30.0) + 2 * _LOST_CHECK_S

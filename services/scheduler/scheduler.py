@@ -93,7 +93,7 @@ class Scheduler(RequestIntake):
         self._last_check: InBatchPrefixCheck | None = None
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "overlapped_steps": 0, "forward_s": 0.0, "step_s": 0.0, "retractions": 0,
-                      "request_failures": 0}  # fmt: skip
+                      "request_failures": 0, "cache_flushes": 0}  # fmt: skip
         self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
         self.timer = StepTimer(runner.device, self.stats)
         mc, on = runner.model_config, config.enable_cascade_attention and runner.attn.supports_cascade
@@ -422,6 +422,7 @@ class Scheduler(RequestIntake):
         if self.has_work:
             return False
         self.tree.reset()
+        self.stats["cache_flushes"] += 1
         return True
 
     def used_tokens(self) -> int:

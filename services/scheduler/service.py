@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import orjson
 
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
@@ -62,6 +63,7 @@ class SchedulerService:
         self._failed: asyncio.Future[str] | None = None
         self._tasks: list[asyncio.Task] = []
         self._gateways: dict[str, float] = {}  # a gateway's output subject -> its last heartbeat
+        self.metrics = SchedulerMetrics()  # built on the scheduler thread, sent with each heartbeat
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -74,11 +76,15 @@ class SchedulerService:
         ctl = (("server_info", self._on_server_info), ("flush_cache", self._on_flush_cache),
                ("known_rids", self._on_known_rids))  # fmt: skip
         for what, handler in ctl:
+            # any one scheduler answers on ctl.<what>; every scheduler on ctl.all.<what> (the gateway's
+            # fan-out, which gathers the answers of all live workers)
             self._subs.append(await self.transport.subscribe(s.ctl(what), handler, queue="schedulers"))
+            self._subs.append(await self.transport.subscribe(s.ctl_all(what), handler))
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
         self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "scheduler", self.cfg.worker_id,
-                                    alive=self._thread.is_alive)  # fmt: skip
+                                    alive=self._thread.is_alive,
+                                    report=lambda: {"metrics": self.metrics.latest})  # fmt: skip
         self._heartbeat.start()
         self._tasks = [self._loop.create_task(self._keep_deliveries_alive()),
                        self._loop.create_task(self._drop_orphans())]  # fmt: skip
@@ -202,12 +208,20 @@ class SchedulerService:
         if m.reply:
             rids = orjson.loads(m.data)["rids"]
             known = await self.call(lambda s: s.known_rids(rids))
-            await self.transport.publish(m.reply, orjson.dumps({"rids": known}))
+            answer = {"rids": known, "worker_id": self.cfg.worker_id}
+            await self.transport.publish(m.reply, orjson.dumps(answer))
 
     async def _on_flush_cache(self, m: Message) -> None:
         if m.reply:
-            ok = await self.call(lambda s: s.flush_cache())
-            await self.transport.publish(m.reply, orjson.dumps({"success": ok}))
+            ok = await self.call(self._flush_cache)
+            answer = {"success": ok, "worker_id": self.cfg.worker_id}
+            await self.transport.publish(m.reply, orjson.dumps(answer))
+
+    def _flush_cache(self, sched: Scheduler) -> bool:
+        ok = sched.flush_cache()
+        if ok:
+            self.metrics.refresh(sched, force=True)  # the next heartbeat shows the empty cache
+        return ok
 
     def server_info(self, sched: Scheduler) -> dict[str, Any]:
         """Server arguments and live scheduler state, for /get_server_info and the gateway's checks."""
@@ -226,6 +240,7 @@ class SchedulerService:
             "num_queue_reqs": len(sched.waiting),
             "num_used_tokens": sched.used_tokens(),
             "cache_hit_rate": sched.stats["cached_tokens"] / max(1, sched.stats["prompt_tokens"]),
+            "last_gen_throughput": self.metrics.latest.get("gen_throughput", 0.0),
             "stats": dict(sched.stats),
             "kv_integrity_error": self.integrity_error,
         }
@@ -246,6 +261,7 @@ class SchedulerService:
         sched = self.scheduler
         while not self._stop.is_set():
             self._drain()
+            self.metrics.refresh(sched)
             if sched.has_work:
                 try:
                     out = sched.step()
@@ -260,6 +276,7 @@ class SchedulerService:
             if out is not None:
                 self._send(out)
             elif not sched.has_work:
+                self.metrics.refresh(sched, force=True)  # idle: what the heartbeat carries is exact
                 # the integrity check walks the whole pool: only after a quiet second, never between
                 # a step's output and the next request
                 if not self._wake.wait(_IDLE_CHECK_S):

@@ -117,3 +117,40 @@ async def test_bad_streaming_input_gets_an_error_then_done(nc, body):
     assert len(msgs) == 2 and msgs[1] == DONE
     err = orjson.loads(msgs[0])["error"]
     assert err["code"] == 400 and err["message"]
+
+
+async def test_openai_endpoints_on_the_bus_answer_as_over_http(client, nc):
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Hi!"}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    msg = await nc.request("sglbus.api.chat_completions", orjson.dumps(body), timeout=60)
+    out = orjson.loads(msg.data)
+    http = (await asyncio.to_thread(client.post, "/v1/chat/completions", json=body)).json()
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == http["choices"][0]["message"]
+    assert out["usage"]["completion_tokens"] == http["usage"]["completion_tokens"]
+    assert http["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the bus request's prompt, cached
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(
+        "sglbus.api.completions",
+        orjson.dumps({"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}),
+        reply=inbox,
+    )
+    got = []
+    while not got or got[-1] != DONE:
+        got.append((await sub.next_msg(timeout=60)).data)
+    await sub.unsubscribe()
+    full = (
+        await asyncio.to_thread(
+            client.post, "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+        )
+    ).json()
+    assert "".join(orjson.loads(m)["choices"][0]["text"] for m in got[:-1]) == full["choices"][0]["text"]
+    bad = orjson.loads(
+        (await nc.request("sglbus.api.completions", b'{"prompt": "x", "n": 0}', timeout=30)).data
+    )
+    assert bad["error"]["param"] == "n" and bad["error"]["type"] == "invalid_request_error"

@@ -86,6 +86,7 @@ def fake_gateway(api_key: str | None) -> SimpleNamespace:
 def test_build_app_checks_the_key_when_one_is_configured() -> None:
     http = TestClient(build_app(fake_gateway(KEY)))
     assert http.get("/get_model_info").status_code == 401
+    assert http.post("/v1/chat/completions", json={}).status_code == 401  # the OpenAI endpoints too
     r = http.get("/get_model_info", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json() == {"model": "m"}
     assert http.get("/health").status_code == 200

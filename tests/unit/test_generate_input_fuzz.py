@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from services.gateway.generate_input import MAX_N, NOT_YET, SUPPORTED, decode_json, parse_generate_input
 from shared.sampling_params import SamplingParams
+from shared.sglang_fields import SAMPLING_PARAMS
 
 VOCAB_SIZE = 49152
 FUZZ = settings(max_examples=300, deadline=None, database=None)
@@ -81,8 +82,10 @@ SAMPLING_VALUES: dict[str, st.SearchStrategy[Any]] = {
     **dict.fromkeys(["regex", "json_schema", "ebnf", "structural_tag"], texts),
     "logit_bias": st.dictionaries(texts | ints.map(str), floats | ints, max_size=3),
     "custom_params": st.dictionaries(st.text(max_size=6), json_values, max_size=3),
+    # SGLang's parameters not honoured yet: their defaults (accepted) or anything (refused)
+    **{k: st.just(v) for k, v in SAMPLING_PARAMS.items() if k not in SamplingParams.__struct_fields__},
 }
-assert set(SAMPLING_VALUES) == set(SamplingParams.__struct_fields__), "a new sampling parameter: fuzz it too"
+assert set(SAMPLING_VALUES) == set(SAMPLING_PARAMS), "a new sampling parameter: fuzz it too"
 sampling = some_fields(SAMPLING_VALUES, 8)
 
 
@@ -102,8 +105,10 @@ REQ_VALUES: dict[str, st.SearchStrategy[Any]] = {
         [
             "return_text_in_logprobs",
             "return_flat_raw_top_logprobs",
+            "return_flat_raw_output_top_logprobs",
             "return_flat_raw_top_logprobs_b64",
             "return_output_top_logprobs_b64",
+            "return_prompt_token_ids",
         ],
         st.booleans(),
     ),

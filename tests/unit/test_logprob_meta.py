@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.gateway.logprob_fields import decode_flat_b64
+from services.gateway.logprob_fields import decode_flat, decode_flat_b64
 from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
 from services.scheduler.logprobs import Rows, pack
@@ -68,3 +68,16 @@ def test_flat_b64_and_output_b64():
     )
     assert meta["output_top_logprobs_shape"] == [3, 2] and meta["output_top_logprobs_null_prefix"] == 0
     assert [e[1] for e in meta["output_token_logprobs"]] == [7, 8, 9]
+
+
+def test_flat_output_top_logprobs_as_lists():
+    acc = LogprobAccumulator(opts(output_flat=True), PROMPT, texts)
+    acc.add(pack([rows(4, 2, 1, 1.0)], [rows(3, 2, 1, 1.0)]))
+    meta = acc.meta([7, 8, 9])
+    assert "output_top_logprobs" not in meta and "output_top_logprobs_val_flat_b64" not in meta
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == 5  # input: nested
+    vals, idx = decode_flat(meta, "output_top_logprobs")
+    assert np.array_equal(vals, rows(3, 2, 1, 1.0).top_val) and np.array_equal(
+        idx, np.arange(6).reshape(3, 2)
+    )
+    assert meta["output_top_logprobs_shape"] == [3, 2] and meta["output_top_logprobs_null_prefix"] == 0

@@ -46,6 +46,7 @@ def test_nothing_asked_is_none_and_defaults_are_accepted():
         ({"return_logprob": True, "return_flat_raw_top_logprobs_b64": True}, "requires return_flat_raw"),
         ({"top_logprobs_num": 1}, "need(s) return_logprob"),
         ({"return_output_top_logprobs_b64": True}, "return_output_top_logprobs_b64"),
+        ({"return_flat_raw_output_top_logprobs": True}, "return_flat_raw_output_top_logprobs need(s)"),
         ({"return_logprob": True, "top_logprobs_num": 5000}, "[0, 1024]"),
         ({"return_logprob": True, "top_logprobs_num": True}, "top_logprobs_num"),
         ({"return_logprob": True, "logprob_start_len": 1.5}, "logprob_start_len"),
@@ -65,3 +66,30 @@ def test_n_makes_the_response_a_list_and_must_agree_across_a_batch():
     assert not parse_generate_input({"text": "a"}).is_batch
     with pytest.raises(ValueError, match="sampling_params.n"):
         parse_generate_input({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]})
+
+
+def test_flat_output_top_logprobs_and_b64_on_each_flat_side():
+    ask = {"return_logprob": True, "top_logprobs_num": 2}
+    (o,) = parse_logprob_options({**ask, "return_flat_raw_output_top_logprobs": True}, 1)
+    assert o.output_flat and not o.output_b64 and not o.flat
+    b64 = {"return_flat_raw_top_logprobs_b64": True}
+    (o,) = parse_logprob_options({**ask, **b64, "return_flat_raw_output_top_logprobs": True}, 1)
+    assert o.output_flat and o.output_b64 and not o.flat and not o.flat_b64
+    (o,) = parse_logprob_options({**ask, **b64, "return_flat_raw_top_logprobs": True}, 1)
+    assert o.flat and o.flat_b64 and not o.output_flat and not o.output_b64
+    (o,) = parse_logprob_options({**ask, "return_output_top_logprobs_b64": True}, 1)  # beyond SGLang
+    assert o.output_flat and o.output_b64 and not o.flat
+
+
+def test_flat_output_top_logprobs_are_for_a_finished_response_only():
+    body = {
+        "text": "a",
+        "return_logprob": True,
+        "top_logprobs_num": 1,
+        "return_flat_raw_output_top_logprobs": True,
+    }
+    assert parse_generate_input(body).prompts[0].logprob.output_flat
+    with pytest.raises(ValueError, match="return_flat_raw_output_top_logprobs .* does not support stream"):
+        parse_generate_input({**body, "stream": True})
+    streamed = {"text": "a", "return_logprob": True, "top_logprobs_num": 1, "stream": True}
+    assert parse_generate_input({**streamed, "return_output_top_logprobs_b64": True}).stream

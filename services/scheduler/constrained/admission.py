@@ -19,6 +19,7 @@ from services.scheduler.constrained.grammar import (
     GrammarSpec,
     Retokenizer,
 )
+from shared.metrics import GRAMMAR_COMPILE_BUCKETS, BucketCounts
 
 log = logging.getLogger(__name__)
 BACKEND_START_S = 120.0  # importing and setting up the grammar library, before any compile's own timeout
@@ -39,6 +40,8 @@ class GrammarAdmission:
         self._backend_lock = threading.Lock()
         self._ready_at: float | None = None  # when the backend was built (the compile clock starts)
         self._broken: str | None = None  # why the backend could not be built
+        # seconds each compile took (cache misses; the backend's start is not counted): /metrics
+        self.compile_times = BucketCounts(GRAMMAR_COMPILE_BUCKETS)
 
     def ready(self, req: Req, now: float) -> bool:
         """Whether req's matcher is there (made now if its grammar just compiled); False while it
@@ -90,7 +93,12 @@ class GrammarAdmission:
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """On the cache's threads (importing the library takes seconds; the step loop must not wait)."""
-        return self.backend().compile(spec)
+        backend = self.backend()
+        t0 = time.perf_counter()
+        try:
+            return backend.compile(spec)
+        finally:
+            self.compile_times.observe(time.perf_counter() - t0)
 
     def backend(self) -> GrammarBackend:
         """The backend, built by the first caller; GrammarError (500) when it cannot start."""

@@ -1,0 +1,56 @@
+"""What every HTTP endpoint of the gateway needs: JSON responses, a body read within its size limit,
+and a wait for a result that stops (and aborts the request) when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.gateway.generate_input import decode_json
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+class BodyTooLarge(ValueError):
+    pass
+
+
+async def read_json(request: Request, limit: int, parse: bool = True) -> Any:
+    """The body (decoded JSON, or the bytes with parse=False), refused past `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+    return decode_json(bytes(body)) if parse else bytes(body)
+
+
+async def wait_or_disconnect(request: Request, result: Awaitable[Any]) -> tuple[bool, Any]:
+    """(True, the result), or (False, None) once the client has gone away: the wait is cancelled, which
+    aborts what is unfinished (RequestManager.wait)."""
+    waiter = asyncio.ensure_future(result)
+    while not (await asyncio.wait({waiter}, timeout=1.0))[0]:
+        if await request.is_disconnected():
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+            return False, None
+    return True, waiter.result()
+
+
+def server_failed(resp: dict[str, Any]) -> bool:
+    """A result the server ended with an error (an abort with a status code; a client's own abort has
+    none)."""
+    reason = resp["meta_info"].get("finish_reason") or {}
+    return reason.get("type") == "abort" and "status_code" in reason

@@ -1,0 +1,115 @@
+"""The OpenAI-compatible HTTP endpoints of the gateway: `/v1/completions` and `/v1/chat/completions`
+(JSON and SSE; the work is openai_serving.py's, shared with the bus API), and SGLang's `/tokenize` and
+`/detokenize` (also under /v1/). Errors have OpenAI's shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from services.gateway.http_util import json_response, read_json, wait_or_disconnect
+from services.gateway.openai_errors import OpenAIError
+from services.gateway.openai_serving import OpenAIServing, Submitted
+from services.gateway.service import Gateway
+
+
+def openai_error(e: OpenAIError) -> Response:
+    return json_response(e.body(), e.status)
+
+
+def openai_routes(gw: Gateway) -> list[Route]:
+    limit = gw.cfg.max_body_bytes
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return await read_json(request, limit)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completion")
+
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "chat")
+
+    async def serve(request: Request, kind: str) -> Response:
+        serving = gw.openai
+        try:
+            sub = await serving.submit(kind, await body_of(request))
+        except OpenAIError as e:
+            return openai_error(e)
+        if sub.req.stream:
+            return StreamingResponse(_sse(serving, sub), media_type="text/event-stream")
+        try:
+            answered, result = await wait_or_disconnect(request, serving.answer(sub))
+        except OpenAIError as e:
+            return openai_error(e)
+        return json_response(result) if answered else Response(status_code=499)
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            obj = await body_of(request)
+            if not isinstance(obj, dict):
+                raise OpenAIError("the request body must be a JSON object")
+            prompt, special = obj.get("prompt"), obj.get("add_special_tokens", True)
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise OpenAIError("prompt must be a string or a non-empty list of strings", "prompt")
+            if not isinstance(special, bool):
+                raise OpenAIError("add_special_tokens must be true or false", "add_special_tokens")
+        except OpenAIError as e:
+            return openai_error(e)
+        ids = [gw.requests.tokenizer.encode(t, add_special_tokens=special) for t in texts]
+        one = isinstance(prompt, str)
+        return json_response(
+            {
+                "tokens": ids[0] if one else ids,
+                "count": len(ids[0]) if one else [len(i) for i in ids],
+                "max_model_len": gw.requests.context_len,
+            }
+        )
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            obj = await body_of(request)
+            tokens = obj.get("tokens") if isinstance(obj, dict) else None
+            one = isinstance(tokens, list) and all(_is_int(t) for t in tokens)
+            rows = [tokens] if one else tokens
+            if not isinstance(rows, list) or not all(
+                isinstance(r, list) and all(_is_int(t) for t in r) for r in rows
+            ):
+                raise OpenAIError("tokens must be a list of token ids or a list of such lists", "tokens")
+            vocab = gw.requests.vocab_size
+            if any(not 0 <= t < vocab for r in rows for t in r):
+                raise OpenAIError(f"tokens has ids outside the vocabulary [0, {vocab})", "tokens")
+        except OpenAIError as e:
+            return openai_error(e)
+        texts = [
+            gw.requests.tokenizer.decode(r, skip_special_tokens=bool(obj.get("skip_special_tokens", False)))
+            for r in rows
+        ]
+        return json_response({"text": texts[0] if one else texts})
+
+    return [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/detokenize", detokenize, methods=["POST"]),
+    ]
+
+
+async def _sse(serving: OpenAIServing, sub: Submitted) -> AsyncIterator[bytes]:
+    async for payload in serving.chunks(sub):
+        yield b"data: " + orjson.dumps(payload) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

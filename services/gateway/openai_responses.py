@@ -1,0 +1,204 @@
+"""SGLang-shaped results (`RequestManager`: text, output_ids, meta_info) in OpenAI's shapes: the
+`text_completion` and `chat.completion` objects, their stream chunks (deltas of the cumulative
+chunks), logprobs as each endpoint writes them, usage with `prompt_tokens_details.cached_tokens`.
+
+Choices run prompt by prompt, n per prompt (choice index = prompt * n + sample), as OpenAI orders them.
+finish_reason: stop (EOS, a stop string or id, a grammar's end), length, tool_calls (chat, tool calls
+found), abort (the request was aborted without an error)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.gateway.openai_requests import OpenAIRequest
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if not reason:
+        return None
+    kind = reason.get("type")
+    return kind if kind in ("stop", "length") else "abort"
+
+
+def usage(req: OpenAIRequest, results: list[dict[str, Any]]) -> dict[str, Any]:
+    groups = [results[i : i + req.n] for i in range(0, len(results), req.n)]
+    prompt = sum(g[0]["meta_info"]["prompt_tokens"] for g in groups)
+    cached = sum(min(r["meta_info"].get("cached_tokens", 0) for r in g) for g in groups)
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_response(
+    req: OpenAIRequest, results: list[dict[str, Any]], prompt_texts: list[str], created: int
+) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        meta = r["meta_info"]
+        text = (prompt_texts[i // req.n] if req.echo else "") + r["text"]
+        lp = completion_logprobs(meta, req.echo, 0) if req.top_logprobs is not None else None
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(meta)})
+    return {
+        "id": req.generate["rid"],
+        "object": "text_completion",
+        "created": created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(req, results),
+        "system_fingerprint": None,
+    }
+
+
+def chat_response(req: OpenAIRequest, results: list[dict[str, Any]], created: int) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        meta = r["meta_info"]
+        message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
+        reason = finish_reason(meta)
+        if req.tools is not None:
+            content, calls = req.tools.parse(r["text"])
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" or req.tools.schema is not None else reason
+        lp = {"content": chat_logprobs(meta, 0)} if req.top_logprobs is not None else None
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
+    return {
+        "id": req.generate["rid"],
+        "object": "chat.completion",
+        "created": created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(req, results),
+        "system_fingerprint": None,
+    }
+
+
+def completion_logprobs(meta: dict[str, Any], echo: bool, start: int, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions logprobs for output rows from `start` (with echo and start 0, the prompt's
+    rows first; its first token has no logprob)."""
+    rows: list[Any] = list(meta.get("input_token_logprobs") or []) if echo and start == 0 else []
+    tops: list[Any] = list(meta.get("input_top_logprobs") or []) if echo and start == 0 else []
+    tops += [None] * (len(rows) - len(tops))
+    rows += meta.get("output_token_logprobs", [])[start:]
+    tops += meta.get("output_top_logprobs", [])[start:]
+    offsets, at = [], text_offset
+    for row in rows:
+        offsets.append(at)
+        at += len(row[2] or "")
+    return {
+        "tokens": [row[2] for row in rows],
+        "token_logprobs": [row[0] for row in rows],
+        "top_logprobs": [None if top is None else {t[2]: t[0] for t in top} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(meta: dict[str, Any], start: int) -> list[dict[str, Any]]:
+    rows = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:]
+    return [
+        {**_token(row), "top_logprobs": [_token(t) for t in (top or [])]}
+        for row, top in zip(rows, tops + [None] * (len(rows) - len(tops)), strict=True)
+    ]
+
+
+def _token(row: list[Any]) -> dict[str, Any]:
+    text = row[2] or ""
+    return {"token": text, "logprob": row[0], "bytes": list(text.encode("utf-8"))}
+
+
+class StreamShaper:
+    """Cumulative chunks (one choice each, `index` when there are several) -> OpenAI chunks of deltas.
+    With tools (chat, tool_choice not "none") a choice's answer is held until it is complete, then
+    sent as content or tool_calls: a call cannot be told from text before it ends."""
+
+    def __init__(self, req: OpenAIRequest, prompt_texts: list[str]) -> None:
+        self.req, self.prompt_texts = req, prompt_texts
+        self.created = int(time.time())
+        self._sent_text: dict[int, int] = {}
+        self._sent_rows: dict[int, int] = {}
+        self._finals: dict[int, dict[str, Any]] = {}
+        self.chat = req.kind == "chat"
+
+    def chunks(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The OpenAI chunks one cumulative chunk of a choice gives."""
+        i = chunk.get("index", 0)
+        meta, text = chunk["meta_info"], chunk["text"]
+        reason = finish_reason(meta)
+        out = []
+        if i not in self._sent_text:  # the choice's first chunk
+            self._sent_text[i] = self._sent_rows[i] = 0
+            if self.chat:
+                out.append(self._chunk(i, {"role": "assistant", "content": ""}, None))
+            elif self.req.echo:
+                out.append(self._chunk(i, self._echo(i, meta), None))
+        if reason is not None:
+            self._finals[i] = chunk
+        if self.chat and self.req.tools is not None:  # held until complete
+            if reason is None:
+                return out
+            content, calls = self.req.tools.parse(text)
+            delta: dict[str, Any] = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                reason = "tool_calls" if reason == "stop" or self.req.tools.schema is not None else reason
+            out.append(self._chunk(i, delta, reason, self._logprobs(i, meta)))
+            return out
+        sent = self._sent_text[i]
+        new = text[sent:] if len(text) >= sent else ""  # text never shrinks but for a stop_regex cut
+        self._sent_text[i] = max(sent, len(text))
+        lp = self._logprobs(i, meta)
+        if new or lp is not None or reason is not None:
+            delta = {"content": new} if self.chat else new
+            out.append(self._chunk(i, delta, reason, lp))
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        results = [self._finals[i] for i in sorted(self._finals)]
+        return {
+            "id": self.req.generate["rid"],
+            "object": self._object(),
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [],
+            "usage": usage(self.req, results),
+        }
+
+    def _echo(self, i: int, meta: dict[str, Any]) -> Any:
+        return self.prompt_texts[i // self.req.n]
+
+    def _logprobs(self, i: int, meta: dict[str, Any]) -> Any:
+        if self.req.top_logprobs is None:
+            return None
+        start = self._sent_rows[i]
+        rows = len(meta.get("output_token_logprobs", []))
+        if rows <= start and not (self.req.echo and start == 0):
+            return None
+        self._sent_rows[i] = rows
+        if self.chat:
+            return {"content": chat_logprobs(meta, start)}
+        return completion_logprobs(meta, self.req.echo, start)
+
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, i: int, delta: Any, reason: str | None, lp: Any = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": reason}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {
+            "id": self.req.generate["rid"],
+            "object": self._object(),
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [choice],
+        }

@@ -1,0 +1,88 @@
+"""One OpenAI request from body to answer, for HTTP (openai_api.py) and the bus API (bus_api.py) alike:
+checked under OpenAI's names (openai_requests.py), turned into a `/generate` request that goes the
+usual way through the RequestManager, and its results shaped back (openai_responses.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.generate_input import GenerateInput, parse_generate_input
+from services.gateway.http_util import server_failed
+from services.gateway.openai_errors import OpenAIError, server_error
+from services.gateway.openai_requests import OpenAIRequest, parse_chat, parse_completion
+from services.gateway.openai_responses import StreamShaper, chat_response, completion_response
+from services.gateway.request_manager import RequestManager
+from shared.transport import BusUnavailable
+
+KINDS = ("completion", "chat")
+
+
+@dataclass
+class Submitted:
+    req: OpenAIRequest
+    gen: GenerateInput
+    states: list
+    prompt_texts: list[str]  # for echo
+
+
+class OpenAIServing:
+    def __init__(self, requests: RequestManager, models: Callable[[], tuple[str, ...]]) -> None:
+        """models: the names a request may give as `model` (the first is the served name)."""
+        self.requests, self.models = requests, models
+        self.tokenizer = requests.tokenizer
+
+    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat messages through the model's chat template, as token ids."""
+        out = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True
+        )
+        return list(out["input_ids"])
+
+    async def submit(self, kind: str, body: Any) -> Submitted:
+        """Checked and queued; OpenAIError when it cannot be (nothing was queued then)."""
+        if kind == "chat":
+            req = parse_chat(body, self.models(), self.render)
+        else:
+            req = parse_completion(body, self.models())
+        try:
+            gen = parse_generate_input(req.generate)
+            states = await self.requests.submit(gen)
+        except ValueError as e:  # the checks every request passes (prompt length, vocabulary, grammar)
+            raise OpenAIError(str(e)) from None
+        except BusUnavailable as e:
+            raise server_error(f"the request could not be queued: {e}; retry", 503) from None
+        texts = [
+            p.text if p.text is not None else self.tokenizer.decode(p.input_ids or []) for p in gen.prompts
+        ]
+        return Submitted(req, gen, states, texts if req.echo else [])
+
+    async def answer(self, sub: Submitted) -> dict[str, Any]:
+        """The whole response object (a cancelled wait aborts what is unfinished); OpenAIError when
+        the server failed the request."""
+        result = await self.requests.wait(sub.gen, sub.states)
+        results = result if isinstance(result, list) else [result]
+        failed = next((r for r in results if server_failed(r)), None)
+        if failed is not None:
+            reason = failed["meta_info"]["finish_reason"]
+            raise server_error(reason["message"], reason.get("status_code", 500))
+        created = int(time.time())
+        if sub.req.kind == "chat":
+            return chat_response(sub.req, results, created)
+        return completion_response(sub.req, results, sub.prompt_texts, created)
+
+    async def chunks(self, sub: Submitted) -> AsyncIterator[dict[str, Any]]:
+        """The stream's payloads: chunks, an error object where the server failed a choice, the usage
+        chunk when asked for (the caller ends the stream: `data: [DONE]` over HTTP)."""
+        shaper = StreamShaper(sub.req, sub.prompt_texts)
+        async for chunk in self.requests.stream(sub.gen, sub.states):
+            if server_failed(chunk):
+                reason = chunk["meta_info"]["finish_reason"]
+                yield server_error(reason["message"], reason.get("status_code", 500)).body()
+                continue
+            for out in shaper.chunks(chunk):
+                yield out
+        if sub.req.include_usage:
+            yield shaper.usage_chunk()

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible endpoints through the official `openai` client (sync and async, streaming and
+not) against the served system: the same greedy text as `/generate`, usage, logprobs, n, stop,
+response_format, tools, and errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from it_helpers import generate, greedy
+
+PROMPT = "The capital of France is"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture
+def oai(srv):
+    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def chat_ids(tokenizer, messages):
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def test_completion_matches_generate_and_counts_usage(oai, client):
+    ref = generate(client, {"text": PROMPT, "sampling_params": greedy(8, ignore_eos=True)})
+    out = oai.completions.create(
+        model="default", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.object == "text_completion" and out.choices[0].text == ref["text"]
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"] and out.usage.completion_tokens == 8
+    again = oai.completions.create(model="default", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prompt is in the radix cache now
+
+
+def test_completion_stream_deltas_add_up_and_end_with_usage(oai):
+    full = oai.completions.create(model="default", prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(
+        oai.completions.create(
+            model="default",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len(chunks) >= 3
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completion_n_seed_stop_and_logprobs(oai):
+    out = oai.completions.create(
+        model="default", prompt=["Hello", PROMPT], max_tokens=6, n=2, seed=7, temperature=0.9, logprobs=2
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+        assert all(len(top) <= 2 for top in lp.top_logprobs) and "".join(lp.tokens) == c.text
+    same = oai.completions.create(
+        model="default", prompt=["Hello", PROMPT], max_tokens=6, n=2, seed=7, temperature=0.9
+    )
+    assert [c.text for c in same.choices] == [c.text for c in out.choices]  # the seed makes it repeatable
+    first = oai.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=0)
+    word = first.choices[0].text.split()[1]
+    cut = oai.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=0, stop=[word])
+    assert cut.choices[0].finish_reason == "stop" and word not in cut.choices[0].text
+
+
+def test_chat_matches_generate_on_the_chat_template(oai, client, tokenizer):
+    messages = [{"role": "user", "content": "Name a color."}]
+    ids = chat_ids(tokenizer, messages)
+    ref = generate(client, {"input_ids": ids, "sampling_params": greedy(12)})
+    out = oai.chat.completions.create(
+        model="default", messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == ref["text"] and out.usage.prompt_tokens == len(ids)
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in choice.logprobs.content)
+
+
+def test_async_chat_stream_gives_the_same_text(srv, tokenizer):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0) as c:
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+            full = await c.chat.completions.create(
+                model="default", messages=messages, max_completion_tokens=10, temperature=0
+            )
+            stream = await c.chat.completions.create(
+                model="default", messages=messages, max_completion_tokens=10, temperature=0, stream=True
+            )
+            chunks = [chunk async for chunk in stream]
+            return full, chunks
+
+    full, chunks = asyncio.run(run())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_response_format_json_schema_and_a_named_tool(oai):
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "maxLength": 12}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    out = oai.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "A color as JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    assert set(json.loads(out.choices[0].message.content)) == {"color"}
+    out = oai.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=40,
+        temperature=0,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+
+
+def test_tool_calls_are_read_from_the_documented_format(srv, oai):
+    # the answer itself is the model's; a call in the documented format, forced by a regex here,
+    # must come back as tool_calls
+    regex = (
+        r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,8}"\}\}\n</tool_call>'
+    )
+    out = oai.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Weather?"}],
+        max_tokens=60,
+        temperature=0,
+        tools=[WEATHER],
+        extra_body={"regex": regex},
+    )
+    choice = out.choices[0]
+    assert (
+        choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    )
+
+
+def test_errors_have_openai_shape_and_status(oai, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "x"}], temperature=3
+        )
+    assert e.value.body["param"] == "temperature" and "[0, 2]" in e.value.body["message"]
+    for body, param in (
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "bogus": 1}, "bogus"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "x", "logprobs": 9}, "logprobs"),
+    ):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenize_and_detokenize(client, tokenizer):
+    r = client.post("/tokenize", json={"prompt": PROMPT})
+    ids = tokenizer.encode(PROMPT)
+    assert r.status_code == 200 and r.json()["tokens"] == ids and r.json()["count"] == len(ids)
+    r = client.post("/v1/detokenize", json={"tokens": [ids, ids[:2]]})
+    assert r.json()["text"] == [tokenizer.decode(ids), tokenizer.decode(ids[:2])]
+    assert client.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
