@@ -1,6 +1,7 @@
 """One request's logprobs at the gateway: raw arrays from the bus accumulate here, and `meta()` shapes
-them into SGLang's `meta_info` keys (the whole request so far: streaming chunks are cumulative, like
-the text)."""
+them into SGLang's `meta_info` keys: the whole request so far (SGLang's streaming chunks are
+cumulative, like the text), or only the output rows from `start` on (the delta chunks of the OpenAI
+streams: each chunk costs its new rows, not the whole output again)."""
 
 from __future__ import annotations
 
@@ -45,20 +46,27 @@ class LogprobAccumulator:
         a = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.empty(0, dtype))
         return a if width is None else a.reshape(-1, width)
 
-    def meta(self, output_ids: list[int]) -> dict[str, Any]:
+    @property
+    def output_rows(self) -> int:
+        """Output positions with logprobs so far."""
+        return sum(len(p) for p in self._parts["output_token"])
+
+    def meta(self, output_ids: list[int], start: int = 0, input_side: bool = True) -> dict[str, Any]:
+        """The logprob keys of meta_info: the prompt side (unless input_side is False) and the output
+        rows from `start` on."""
         o = self.opts
         meta: dict[str, Any] = {}
-        # prompt side: positions start .. len(prompt)-1; position 0 has nothing before it (null)
-        start = o.start_len if 0 <= o.start_len < len(self.prompt) else len(self.prompt)
-        null = 1 if start == 0 else 0
-        tok = self._array("input_token")
-        ids = np.asarray(self.prompt[start : start + null + len(tok)], dtype=np.int32)
-        vals = np.concatenate((np.zeros(null, np.float32), tok)) if null else tok
-        self._side(meta, "input", vals, ids, null, o.flat, o.flat_b64)
+        if input_side:  # prompt positions start_len .. len(prompt)-1; position 0 has nothing before it (null)
+            first = o.start_len if 0 <= o.start_len < len(self.prompt) else len(self.prompt)
+            null = 1 if first == 0 else 0
+            tok = self._array("input_token")
+            ids = np.asarray(self.prompt[first : first + null + len(tok)], dtype=np.int32)
+            vals = np.concatenate((np.zeros(null, np.float32), tok)) if null else tok
+            self._side(meta, "input", vals, ids, null, o.flat, o.flat_b64)
         # output side: one row per output token so far
         tok = self._array("output_token")
-        ids = np.asarray(output_ids[: len(tok)], dtype=np.int32)
-        self._side(meta, "output", tok, ids, 0, o.output_flat, o.output_b64)
+        ids = np.asarray(output_ids[start : len(tok)], dtype=np.int32)
+        self._side(meta, "output", tok[start:], ids, 0, o.output_flat, o.output_b64, start)
         return meta
 
     def _side(
@@ -70,13 +78,16 @@ class LogprobAccumulator:
         null: int,
         flat: bool,
         b64: bool,
+        start: int = 0,
     ) -> None:
+        """start: the first row of `vals` among the side's rows (the top and token_ids arrays are cut
+        from there)."""
         o, text_of = self.opts, self.text_of
         texts = text_of(ids.tolist()) if o.text else None
         meta[f"{side}_token_logprobs"] = token_entries(vals, ids, texts, null_first=bool(null))
         if o.top_k:
-            top_val = self._array(f"{side}_top_val", o.top_k)
-            top_idx = self._array(f"{side}_top_idx", o.top_k)
+            top_val = self._array(f"{side}_top_val", o.top_k)[start:]
+            top_idx = self._array(f"{side}_top_idx", o.top_k)[start:]
             if flat or b64:
                 meta.update(flat_top_fields(f"{side}_top_logprobs", top_val, top_idx, null, b64))
             else:
@@ -86,7 +97,7 @@ class LogprobAccumulator:
                     top_texts = [flat_texts[r * o.top_k : (r + 1) * o.top_k] for r in range(len(top_idx))]
                 meta[f"{side}_top_logprobs"] = top_entries(top_val, top_idx, top_texts, null)
         if self.n_ids:
-            ids_val = self._array(f"{side}_ids_val", self.n_ids)
+            ids_val = self._array(f"{side}_ids_val", self.n_ids)[start:]
             asked = np.broadcast_to(np.asarray(o.token_ids, dtype=np.int32), ids_val.shape)
             id_texts = None
             if o.text:

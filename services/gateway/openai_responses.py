@@ -115,49 +115,50 @@ def _token(row: list[Any]) -> dict[str, Any]:
 
 
 class StreamShaper:
-    """Cumulative chunks (one choice each, `index` when there are several) -> OpenAI chunks of deltas.
-    With tools (chat, tool_choice not "none") a choice's answer is held until it is complete, then
-    sent as content or tool_calls: a call cannot be told from text before it ends."""
+    """Delta chunks of the RequestManager (`stream(..., deltas=True)`: one choice each, `index` when
+    there are several; only the new text and logprob rows) -> OpenAI's chunks. With tools (chat,
+    tool_choice not "none") a choice's answer is held until it is complete, then sent as content or
+    tool_calls: a call cannot be told from text before it ends."""
 
     def __init__(self, req: OpenAIRequest, prompt_texts: list[str]) -> None:
         self.req, self.prompt_texts = req, prompt_texts
         self.created = int(time.time())
-        self._sent_text: dict[int, int] = {}
-        self._sent_rows: dict[int, int] = {}
+        self._offset: dict[int, int] = {}  # text sent per choice (completions' logprob text_offset)
+        self._held: dict[int, str] = {}  # with tools: the answer so far
         self._finals: dict[int, dict[str, Any]] = {}
         self.chat = req.kind == "chat"
 
-    def chunks(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """The OpenAI chunks one cumulative chunk of a choice gives."""
-        i = chunk.get("index", 0)
-        meta, text = chunk["meta_info"], chunk["text"]
+    def chunks(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """The OpenAI chunks one delta of a choice gives."""
+        i = delta.get("index", 0)
+        meta, text = delta["meta_info"], delta["text"]
         reason = finish_reason(meta)
         out = []
-        if i not in self._sent_text:  # the choice's first chunk
-            self._sent_text[i] = self._sent_rows[i] = 0
+        if i not in self._offset:  # the choice's first chunk
+            self._offset[i], self._held[i] = 0, ""
             if self.chat:
                 out.append(self._chunk(i, {"role": "assistant", "content": ""}, None))
             elif self.req.echo:
-                out.append(self._chunk(i, self._echo(i, meta), None))
+                echo = self.prompt_texts[i // self.req.n]
+                out.append(self._chunk(i, echo, None, self._logprobs(i, meta, prompt_only=True)))
+                self._offset[i] = len(echo)
         if reason is not None:
-            self._finals[i] = chunk
+            self._finals[i] = delta
         if self.chat and self.req.tools is not None:  # held until complete
+            self._held[i] += text
             if reason is None:
                 return out
-            content, calls = self.req.tools.parse(text)
-            delta: dict[str, Any] = {"content": content} if content else {}
+            content, calls = self.req.tools.parse(self._held[i])
+            body: dict[str, Any] = {"content": content} if content else {}
             if calls:
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                body["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                 reason = "tool_calls" if reason == "stop" or self.req.tools.schema is not None else reason
-            out.append(self._chunk(i, delta, reason, self._logprobs(i, meta)))
+            out.append(self._chunk(i, body, reason, self._logprobs(i, meta)))
             return out
-        sent = self._sent_text[i]
-        new = text[sent:] if len(text) >= sent else ""  # text never shrinks but for a stop_regex cut
-        self._sent_text[i] = max(sent, len(text))
         lp = self._logprobs(i, meta)
-        if new or lp is not None or reason is not None:
-            delta = {"content": new} if self.chat else new
-            out.append(self._chunk(i, delta, reason, lp))
+        self._offset[i] += len(text)
+        if text or lp is not None or reason is not None:
+            out.append(self._chunk(i, {"content": text} if self.chat else text, reason, lp))
         return out
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -171,20 +172,20 @@ class StreamShaper:
             "usage": usage(self.req, results),
         }
 
-    def _echo(self, i: int, meta: dict[str, Any]) -> Any:
-        return self.prompt_texts[i // self.req.n]
-
-    def _logprobs(self, i: int, meta: dict[str, Any]) -> Any:
+    def _logprobs(self, i: int, meta: dict[str, Any], prompt_only: bool = False) -> Any:
+        """This delta's rows in the endpoint's shape (None when none were asked for or none are new);
+        prompt_only: the echoed prompt's rows (completions, first chunk)."""
         if self.req.top_logprobs is None:
             return None
-        start = self._sent_rows[i]
-        rows = len(meta.get("output_token_logprobs", []))
-        if rows <= start and not (self.req.echo and start == 0):
-            return None
-        self._sent_rows[i] = rows
         if self.chat:
-            return {"content": chat_logprobs(meta, start)}
-        return completion_logprobs(meta, self.req.echo, start)
+            rows = chat_logprobs(meta, 0)
+            return {"content": rows} if rows else None
+        if prompt_only:
+            meta = {k: v for k, v in meta.items() if k.startswith("input_")}
+        elif self.req.echo:  # the prompt's rows went with the echo
+            meta = {k: v for k, v in meta.items() if not k.startswith("input_")}
+        lp = completion_logprobs(meta, self.req.echo, 0, self._offset[i])
+        return lp if lp["tokens"] else None
 
     def _object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

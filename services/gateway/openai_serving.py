@@ -77,7 +77,7 @@ class OpenAIServing:
         """The stream's payloads: chunks, an error object where the server failed a choice, the usage
         chunk when asked for (the caller ends the stream: `data: [DONE]` over HTTP)."""
         shaper = StreamShaper(sub.req, sub.prompt_texts)
-        async for chunk in self.requests.stream(sub.gen, sub.states):
+        async for chunk in self.requests.stream(sub.gen, sub.states, deltas=True):
             if server_failed(chunk):
                 reason = chunk["meta_info"]["finish_reason"]
                 yield server_error(reason["message"], reason.get("status_code", 500)).body()

@@ -60,8 +60,32 @@ class _State:
     last_token_at: float = 0.0  # of its latest output tokens (inter-token latency)
     finished_at: float | None = None
     prompt_ids: list[int] | None = None  # return_prompt_token_ids: sent with every response
+    # what delta chunks have sent: text length, output ids, output logprob rows, the prompt's logprobs
+    sent_text: int = 0
+    sent_ids: int = 0
+    sent_rows: int = 0
+    sent_input: bool = False
 
     def response(self) -> dict[str, Any]:
+        """The request so far, as /generate answers it (cumulative)."""
+        return self._shape(self.text, list(self.output_ids), None)
+
+    def delta(self) -> dict[str, Any]:
+        """What is new since the last delta, in the same shape: the new text and output ids
+        (`output_offset`: where they go; below the ids sent before when a jump-forward retokenized
+        them), the new output logprob rows (the prompt's in the first delta only). O(new tokens)."""
+        text = self.text[self.sent_text :]  # the text only grows (a stop_regex cut at the end: nothing)
+        start = min(self.sent_ids, len(self.output_ids))
+        out = self._shape(text, self.output_ids[start:], (self.sent_rows, not self.sent_input))
+        out["output_offset"] = start
+        self.sent_text, self.sent_ids = max(self.sent_text, len(self.text)), len(self.output_ids)
+        self.sent_input = True
+        if self.logprobs is not None:
+            self.sent_rows = self.logprobs.output_rows
+        return out
+
+    def _shape(self, text: str, ids: list[int], rows: tuple[int, bool] | None) -> dict[str, Any]:
+        """rows: (the first output logprob row, whether the prompt's rows go too); None: all of them."""
         meta = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
@@ -71,10 +95,11 @@ class _State:
             **self.meta,
         }
         if self.logprobs is not None:
-            meta.update(self.logprobs.meta(self.output_ids))
+            start, input_side = rows or (0, True)
+            meta.update(self.logprobs.meta(self.output_ids, start, input_side))
         if self.finished:
             meta["e2e_latency"] = time.time() - self.created
-        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        out = {"text": text, "output_ids": ids, "meta_info": meta}
         if self.prompt_ids is not None:
             out["prompt_token_ids"] = self.prompt_ids
         return out
@@ -249,8 +274,12 @@ class RequestManager:
         results = [st.response() for st in states]
         return results if req.is_batch else results[0]
 
-    async def stream(self, req: GenerateInput, states: list[_State]) -> AsyncIterator[dict[str, Any]]:
-        """Chunks with the cumulative text and output ids of one prompt; batch chunks carry `index`."""
+    async def stream(
+        self, req: GenerateInput, states: list[_State], deltas: bool = False
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Chunks of one prompt each: its cumulative text and output ids (SGLang's stream), or with
+        deltas=True only what is new since its last chunk (`_State.delta`); batch chunks carry
+        `index`."""
         pending = {asyncio.ensure_future(st.changed.wait()): i for i, st in enumerate(states)}
         try:
             while pending:
@@ -259,7 +288,7 @@ class RequestManager:
                     i = pending.pop(fut)
                     st = states[i]
                     st.changed.clear()
-                    chunk = st.response()
+                    chunk = st.delta() if deltas else st.response()
                     st.streamed = st.streamed or bool(st.output_ids)
                     if req.is_batch:
                         chunk["index"] = i
@@ -348,6 +377,7 @@ class RequestManager:
         st.text += out.text  # a retokenization replaces ids (below), never text
         before = len(st.output_ids)
         del st.output_ids[out.offset :]  # (an offset below our length: those ids were retokenized)
+        st.sent_ids = min(st.sent_ids, out.offset)  # a delta stream sends them again from there
         st.output_ids.extend(out.output_ids)
         st.worker = worker or st.worker
         if self.metrics is not None and len(st.output_ids) > before:
@@ -404,6 +434,8 @@ class RequestManager:
         log.warning("%s: attempt %d starts over (attempt %d did not finish)", st.rid, attempt, st.attempt)
         st.attempt, st.broken = attempt, False
         st.text, st.output_ids, st.meta = "", [], {}
+        st.sent_text = st.sent_ids = st.sent_rows = 0
+        st.sent_input = False
         if st.new_logprobs is not None:
             st.logprobs = st.new_logprobs()
         return True

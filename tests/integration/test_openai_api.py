@@ -51,13 +51,14 @@ def test_completion_matches_generate_and_counts_usage(oai, client):
 
 
 def test_completion_stream_deltas_add_up_and_end_with_usage(oai):
-    full = oai.completions.create(model="default", prompt=PROMPT, max_tokens=10, temperature=0)
+    full = oai.completions.create(model="default", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
     chunks = list(
         oai.completions.create(
             model="default",
             prompt=PROMPT,
             max_tokens=10,
             temperature=0,
+            logprobs=1,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -66,6 +67,13 @@ def test_completion_stream_deltas_add_up_and_end_with_usage(oai):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    streamed = [
+        lp
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == full.choices[0].logprobs.token_logprobs  # each row sent once, in order
 
 
 def test_completion_n_seed_stop_and_logprobs(oai):

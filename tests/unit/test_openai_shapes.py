@@ -171,7 +171,7 @@ def test_completion_and_chat_responses():
     }
 
 
-def test_stream_chunks_are_deltas_of_the_cumulative_text():
+def test_stream_chunks_pass_the_deltas_on():
     req = parse_chat({"messages": [{"role": "user", "content": "q"}], "stream": True}, MODELS, render)
     shaper = StreamShaper(req, [])
     partial = result("He", finish=None)
@@ -181,6 +181,22 @@ def test_stream_chunks_are_deltas_of_the_cumulative_text():
         {"role": "assistant", "content": ""},
         {"content": "He"},
     ]
-    (last,) = shaper.chunks(result("Hello", finish={"type": "stop", "matched": 2}))
+    (last,) = shaper.chunks(result("llo", finish={"type": "stop", "matched": 2}))
     assert last["choices"][0]["delta"] == {"content": "llo"} and last["choices"][0]["finish_reason"] == "stop"
     assert shaper.usage_chunk()["usage"]["completion_tokens"] == 2
+
+
+def test_streamed_completion_logprobs_follow_the_text_offsets_after_an_echo():
+    req = parse_completion({"prompt": "ab", "stream": True, "echo": True, "logprobs": 1}, MODELS)
+    shaper = StreamShaper(req, ["ab"])
+    first = result("xy", finish=None, lp=True)
+    first["meta_info"].update(
+        finish_reason=None,
+        input_token_logprobs=[[None, 1, "a"], [-0.1, 2, "b"]],
+        input_top_logprobs=[None, [[-0.1, 2, "b"]]],
+    )
+    echo, xy = shaper.chunks(first)
+    assert echo["choices"][0]["text"] == "ab" and echo["choices"][0]["logprobs"]["tokens"] == ["a", "b"]
+    assert echo["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.1]
+    lp = xy["choices"][0]["logprobs"]
+    assert xy["choices"][0]["text"] == "xy" and lp["tokens"] == ["x", "y"] and lp["text_offset"] == [2, 3]
