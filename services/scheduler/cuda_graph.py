@@ -86,7 +86,9 @@ class CudaGraphRunner:
                 self.model(fb, self.attn)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: CUDA work of other threads (another Engine in this process, idle integrity
+        # checks) does not invalidate this capture; "global" failed a second Engine's start-up
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self.attn.prepare(fb)
             out = self.model(fb, self.attn)
         self.graphs[bs], self.logits[bs] = graph, out.logits
