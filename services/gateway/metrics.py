@@ -62,18 +62,13 @@ def scheduler_families(snapshots: dict[str, dict[str, Any]], model_name: str) ->
     workers = sorted(snapshots)
     labels = {w: [model_name, ENGINE_TYPE, "0", "0", w] for w in workers}
     out: list[Metric] = []
-    for key, name, doc in _GAUGES:
-        gauge = GaugeMetricFamily(name, doc, labels=SCHEDULER_LABELS)
-        for w in workers:
-            if isinstance(value := snapshots[w].get(key), int | float):
-                gauge.add_metric(labels[w], value)
-        out.append(gauge)
-    for key, name, doc in _COUNTERS:
-        counter = CounterMetricFamily(name, doc, labels=SCHEDULER_LABELS)
-        for w in workers:
-            if isinstance(value := snapshots[w].get(key), int | float):
-                counter.add_metric(labels[w], value)
-        out.append(counter)
+    for family, specs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+        for key, name, doc in specs:
+            metric = family(name, doc, labels=SCHEDULER_LABELS)
+            for w in workers:
+                if isinstance(value := snapshots[w].get(key), int | float):
+                    metric.add_metric(labels[w], value)
+            out.append(metric)
     for key, name, doc in _HISTOGRAMS:
         hist = HistogramMetricFamily(name, doc, labels=SCHEDULER_LABELS)
         for w in workers:

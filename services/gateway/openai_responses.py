@@ -44,15 +44,7 @@ def completion_response(
         text = (prompt_texts[i // req.n] if req.echo else "") + r["text"]
         lp = completion_logprobs(meta, req.echo, 0) if req.top_logprobs is not None else None
         choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(meta)})
-    return {
-        "id": req.generate["rid"],
-        "object": "text_completion",
-        "created": created,
-        "model": req.model,
-        "choices": choices,
-        "usage": usage(req, results),
-        "system_fingerprint": None,
-    }
+    return _response(req, "text_completion", choices, results, created)
 
 
 def chat_response(req: OpenAIRequest, results: list[dict[str, Any]], created: int) -> dict[str, Any]:
@@ -69,15 +61,12 @@ def chat_response(req: OpenAIRequest, results: list[dict[str, Any]], created: in
                 reason = "tool_calls" if reason == "stop" or req.tools.schema is not None else reason
         lp = {"content": chat_logprobs(meta, 0)} if req.top_logprobs is not None else None
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
-    return {
-        "id": req.generate["rid"],
-        "object": "chat.completion",
-        "created": created,
-        "model": req.model,
-        "choices": choices,
-        "usage": usage(req, results),
-        "system_fingerprint": None,
-    }
+    return _response(req, "chat.completion", choices, results, created)
+
+
+def _response(req: OpenAIRequest, kind: str, choices: list, results: list, created: int) -> dict[str, Any]:
+    return {"id": req.generate["rid"], "object": kind, "created": created, "model": req.model,
+            "choices": choices, "usage": usage(req, results), "system_fingerprint": None}  # fmt: skip
 
 
 def completion_logprobs(meta: dict[str, Any], echo: bool, start: int, text_offset: int = 0) -> dict[str, Any]:
