@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglbus serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_log_args(p)
-    add_cli_args(p, GatewayConfig, only=("host", "port", "api_key"))
+    add_cli_args(p, GatewayConfig, only=("host", "port", "api_key", "served_model_name"))
     bus = add_bus_args(p, url=False, token_default="with the embedded NATS, a new random one")
     bus.add_argument("--nats-url", default=env("SGLBUS_NATS_URL"),
                      help="use this NATS server instead of starting one (default: unset, an embedded NATS; "
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     common = pick("model_path", "tokenizer_path", "subject_prefix")
     bus = ["--nats-url", nats_url]
     http = ["--host", gw.host, "--port", str(gw.port)]
+    if gw.served_model_name:
+        http += ["--served-model-name", gw.served_model_name]
     children = [
         Child("gateway", ["services.gateway", *bus, *http, *_flags(common)],
               {**env, "SGLBUS_API_KEY": gw.api_key} if gw.api_key else env),

@@ -17,6 +17,10 @@ class GatewayConfig:
         None, "for the tokenizer and /get_model_info; unset: the default model (SmolLM2-135M-Instruct)"
     )
     tokenizer_path: str | None = option(None, "tokenizer folder; unset: the model folder")
+    served_model_name: str | None = option(
+        None,
+        "the model's name in /v1/models and in OpenAI requests' `model`; unset: the model file's name",
+    )
     gateway_id: str | None = option(
         None, "names this gateway's output subject; unset: random (leave it unset on scaled gateways)"
     )

@@ -45,7 +45,9 @@ class Gateway:
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
-        self.served_model_name = os.path.splitext(os.path.basename(os.path.normpath(model_path)))[0]
+        self.served_model_name = (
+            cfg.served_model_name or os.path.splitext(os.path.basename(os.path.normpath(model_path)))[0]
+        )
         self.metrics = GatewayMetrics(self.served_model_name, self.scheduler_reports)
         self.requests.metrics = self.metrics
 
