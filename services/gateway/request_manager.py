@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -26,6 +25,7 @@ from services.gateway.generate_input import GenerateInput, Prompt, parse_generat
 from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
 from services.gateway.prompt_tokens import PromptTokens
+from services.gateway.request_state import RequestState
 from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
 from shared.transport import ACK, Message, Subjects, Subscription, Transport
@@ -36,73 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # prompts longer than this (characters or ids) are tokenized and checked on a thread
 _OFF_LOOP_LEN = 8192
-
-
-@dataclass
-class _State:
-    rid: str
-    prompt_tokens: int
-    created: float
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
-    finished: bool = False
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    updated: float = field(default_factory=time.monotonic)  # last output, for the lost-request check
-    published: float = 0.0  # perf_counter when the request went on the bus
-    logprobs: LogprobAccumulator | None = None
-    new_logprobs: Callable[[], LogprobAccumulator] | None = None  # a fresh one, for a restarted attempt
-    attempt: int = 1  # the work-queue delivery whose output this state holds
-    broken: bool = False  # output of this attempt was lost on the bus: waiting for the next one
-    streamed: bool = False  # a stream has sent this request's tokens to its client
-    worker: str = ""  # the worker whose detokenizer sent its latest output (the metrics' label)
-    first_token_at: float | None = None  # wall clock of its first output token (time to first token)
-    last_token_at: float = 0.0  # of its latest output tokens (inter-token latency)
-    finished_at: float | None = None
-    prompt_ids: list[int] | None = None  # return_prompt_token_ids: sent with every response
-    # what delta chunks have sent: text length, output ids, output logprob rows, the prompt's logprobs
-    sent_text: int = 0
-    sent_ids: int = 0
-    sent_rows: int = 0
-    sent_input: bool = False
-
-    def response(self) -> dict[str, Any]:
-        """The request so far, as /generate answers it (cumulative)."""
-        return self._shape(self.text, list(self.output_ids), None)
-
-    def delta(self) -> dict[str, Any]:
-        """What is new since the last delta, in the same shape: the new text and output ids
-        (`output_offset`: where they go; below the ids sent before when a jump-forward retokenized
-        them), the new output logprob rows (the prompt's in the first delta only). O(new tokens)."""
-        text = self.text[self.sent_text :]  # the text only grows (a stop_regex cut at the end: nothing)
-        start = min(self.sent_ids, len(self.output_ids))
-        out = self._shape(text, self.output_ids[start:], (self.sent_rows, not self.sent_input))
-        out["output_offset"] = start
-        self.sent_text, self.sent_ids = max(self.sent_text, len(self.text)), len(self.output_ids)
-        self.sent_input = True
-        if self.logprobs is not None:
-            self.sent_rows = self.logprobs.output_rows
-        return out
-
-    def _shape(self, text: str, ids: list[int], rows: tuple[int, bool] | None) -> dict[str, Any]:
-        """rows: (the first output logprob row, whether the prompt's rows go too); None: all of them."""
-        meta = {
-            "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
-            "finish_reason": None,
-            **self.meta,
-        }
-        if self.logprobs is not None:
-            start, input_side = rows or (0, True)
-            meta.update(self.logprobs.meta(self.output_ids, start, input_side))
-        if self.finished:
-            meta["e2e_latency"] = time.time() - self.created
-        out = {"text": text, "output_ids": ids, "meta_info": meta}
-        if self.prompt_ids is not None:
-            out["prompt_token_ids"] = self.prompt_ids
-        return out
 
 
 class RequestManager:
@@ -121,7 +54,7 @@ class RequestManager:
         self.subjects = Subjects(subject_prefix)
         self.vocab_size = vocab_size
         self.out_subject = self.subjects.out(gateway_id or uuid.uuid4().hex[:12])
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, RequestState] = {}
         self._dec = Decoder(BatchTextOut)
         self._sub: Subscription | None = None
         # bus_s: summed time from publishing a request to its final output arriving (the bus path:
@@ -161,7 +94,7 @@ class RequestManager:
         async for chunk in self.stream(req, await self.submit(req)):
             yield chunk
 
-    async def submit(self, req: GenerateInput) -> list[_State]:
+    async def submit(self, req: GenerateInput) -> list[RequestState]:
         """Tokenize, validate and publish every prompt; ValueError (nothing published) on bad input.
         n > 1: each prompt is prefilled once (a max_new_tokens=0 request that leaves it in the prefix
         cache and computes the prompt logprobs, if asked, for all samples), then its n samples go out,
@@ -233,7 +166,7 @@ class RequestManager:
 
     async def _publish(
         self, prompts: list[Prompt], shared: list[LogprobAccumulator | None] | None = None
-    ) -> list[_State]:
+    ) -> list[RequestState]:
         """`shared[i]`: where prompt i's prompt logprobs were computed already (n > 1)."""
         states, msgs, rids = [], [], set()
         for i, p in enumerate(prompts):
@@ -242,7 +175,9 @@ class RequestManager:
                 raise ValueError(f"rid {p.rid!r} is already in use")
             rids.add(p.rid)
             now = time.time()
-            st = _State(p.rid, len(p.input_ids), now, prompt_ids=p.input_ids if p.return_prompt_ids else None)
+            st = RequestState(
+                p.rid, len(p.input_ids), now, prompt_ids=p.input_ids if p.return_prompt_ids else None
+            )
             if p.logprob is not None:
                 texts = self.prompt_tokens.token_texts
                 st.new_logprobs = _logprob_factory(p, texts, shared[i] if shared else None)
@@ -263,7 +198,9 @@ class RequestManager:
                 raise
         return states
 
-    async def wait(self, req: GenerateInput, states: list[_State]) -> dict[str, Any] | list[dict[str, Any]]:
+    async def wait(
+        self, req: GenerateInput, states: list[RequestState]
+    ) -> dict[str, Any] | list[dict[str, Any]]:
         try:
             for st in states:
                 while not st.finished:
@@ -275,10 +212,10 @@ class RequestManager:
         return results if req.is_batch else results[0]
 
     async def stream(
-        self, req: GenerateInput, states: list[_State], deltas: bool = False
+        self, req: GenerateInput, states: list[RequestState], deltas: bool = False
     ) -> AsyncIterator[dict[str, Any]]:
         """Chunks of one prompt each: its cumulative text and output ids (SGLang's stream), or with
-        deltas=True only what is new since its last chunk (`_State.delta`); batch chunks carry
+        deltas=True only what is new since its last chunk (`RequestState.delta`); batch chunks carry
         `index`."""
         pending = {asyncio.ensure_future(st.changed.wait()): i for i, st in enumerate(states)}
         try:
@@ -329,7 +266,7 @@ class RequestManager:
     async def abort(self, rids: list[str]) -> None:
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
 
-    async def _forget(self, states: list[_State]) -> None:
+    async def _forget(self, states: list[RequestState]) -> None:
         unfinished = [st.rid for st in states if not st.finished]
         for st in states:
             if self._states.pop(st.rid, None) is not None and self.metrics is not None:
@@ -371,7 +308,7 @@ class RequestManager:
             if out.finished:  # the request is done: the work queue may forget it
                 await self.transport.settle_work(out.work_token, ACK)
 
-    def _add(self, st: _State, out: TextOut, worker: str = "") -> None:
+    def _add(self, st: RequestState, out: TextOut, worker: str = "") -> None:
         if out.text_offset < len(st.text):  # the final output cut a stop_regex match short
             st.text = st.text[: out.text_offset]
         st.text += out.text  # a retokenization replaces ids (below), never text
@@ -395,7 +332,7 @@ class RequestManager:
                 time.time() - st.created, _finish_text(out.meta.get("finish_reason")),
             )  # fmt: skip
 
-    def _observe_tokens(self, st: _State, n: int) -> None:
+    def _observe_tokens(self, st: RequestState, n: int) -> None:
         """n new output tokens: the first ones give the time to first token, later ones the latency
         since the previous output, shared among them (SGLang's inter-token latency)."""
         assert self.metrics is not None
@@ -407,7 +344,7 @@ class RequestManager:
             self.metrics.inter_token(st.worker, now - st.last_token_at, n)
         st.last_token_at = now
 
-    def _count(self, st: _State) -> None:
+    def _count(self, st: RequestState) -> None:
         """The gateway is done with the request (answered, or its client went away): its token counts
         as in its response's meta_info; aborted when it ended with an abort or never finished."""
         assert self.metrics is not None
@@ -418,7 +355,7 @@ class RequestManager:
                                   meta.get("completion_tokens", len(st.output_ids)),
                                   meta.get("cached_tokens", 0), e2e, aborted)  # fmt: skip
 
-    async def _start_over(self, st: _State, attempt: int) -> bool:
+    async def _start_over(self, st: RequestState, attempt: int) -> bool:
         """A new attempt of the request (its worker died, or its output was lost) begins: forget what
         the last one produced. A stream that already sent tokens ends with an error instead: the new
         attempt samples anew, and splicing two different outputs would be silent corruption."""

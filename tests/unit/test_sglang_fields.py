@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from services.gateway.generate_input import NOT_YET, SUPPORTED, parse_generate_input
-from services.gateway.request_manager import _State
+from services.gateway.request_state import RequestState
 from shared.sampling_params import SamplingParams
 from shared.sglang_fields import GENERATE_REQ_INPUT, SAMPLING_PARAMS, SGLANG_VERSION
 
@@ -148,8 +148,8 @@ def test_return_prompt_token_ids_puts_the_prompt_in_every_response():
         .prompts[0]
         .return_prompt_ids
     )
-    st = _State("r", 3, time.time(), prompt_ids=[5, 6, 7])
+    st = RequestState("r", 3, time.time(), prompt_ids=[5, 6, 7])
     assert st.response()["prompt_token_ids"] == [5, 6, 7]
-    assert "prompt_token_ids" not in _State("r", 3, time.time()).response()
+    assert "prompt_token_ids" not in RequestState("r", 3, time.time()).response()
     with pytest.raises(ValueError, match="return_prompt_token_ids must be true or false"):
         parse_generate_input({"text": "hi", "return_prompt_token_ids": 1})
