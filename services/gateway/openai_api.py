@@ -12,8 +12,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from services.gateway.generate_input import check_vocabulary
 from services.gateway.http_util import json_response, read_json, wait_or_disconnect
 from services.gateway.openai_errors import OpenAIError
+from services.gateway.openai_requests import is_int
 from services.gateway.openai_serving import OpenAIServing, Submitted
 from services.gateway.service import Gateway
 
@@ -78,17 +80,16 @@ def openai_routes(gw: Gateway) -> list[Route]:
         try:
             obj = await body_of(request)
             tokens = obj.get("tokens") if isinstance(obj, dict) else None
-            one = isinstance(tokens, list) and all(_is_int(t) for t in tokens)
+            one = isinstance(tokens, list) and all(is_int(t) for t in tokens)
             rows = [tokens] if one else tokens
             if not isinstance(rows, list) or not all(
-                isinstance(r, list) and all(_is_int(t) for t in r) for r in rows
+                isinstance(r, list) and all(is_int(t) for t in r) for r in rows
             ):
                 raise OpenAIError("tokens must be a list of token ids or a list of such lists", "tokens")
-            vocab = gw.requests.vocab_size
-            if any(not 0 <= t < vocab for r in rows for t in r):
-                raise OpenAIError(f"tokens has ids outside the vocabulary [0, {vocab})", "tokens")
-        except OpenAIError as e:
-            return openai_error(e)
+            for r in rows:
+                check_vocabulary(r, gw.requests.vocab_size)
+        except ValueError as e:  # OpenAIError, or the vocabulary check's
+            return openai_error(e if isinstance(e, OpenAIError) else OpenAIError(str(e), "tokens"))
         texts = [
             gw.requests.tokenizer.decode(r, skip_special_tokens=bool(obj.get("skip_special_tokens", False)))
             for r in rows
@@ -109,7 +110,3 @@ async def _sse(serving: OpenAIServing, sub: Submitted) -> AsyncIterator[bytes]:
     async for payload in serving.chunks(sub):
         yield b"data: " + orjson.dumps(payload) + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -109,12 +109,12 @@ def parse_completion(body: Any, models: tuple[str, ...]) -> OpenAIRequest:
         gen["text"], count = prompt, 1
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         gen["text"], count = prompt, len(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         gen["input_ids"], count = prompt, 1
     elif (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+        and all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt)
     ):
         gen["input_ids"], count = prompt, len(prompt)
     else:
@@ -241,7 +241,7 @@ def _sampling(obj: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     }
     seed = obj.get("seed")
     if seed is not None:
-        if not _is_int(seed):
+        if not is_int(seed):
             raise OpenAIError("seed must be an integer", "seed")
         sp["sampling_seed"] = seed
     bias = obj.get("logit_bias")
@@ -386,7 +386,7 @@ def _int_field(obj: dict[str, Any], key: str, lo: int, hi: int | None, default: 
     v = obj.get(key)
     if v is None:
         return default
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
         allowed = f"integers in [{lo}, {hi}]" if hi is not None else f"integers >= {lo}"
         raise OpenAIError(f"{key} = {v!r} is invalid; allowed: {allowed}", key)
     return v
@@ -401,5 +401,6 @@ def _bool_field(obj: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An integer that is not a bool (JSON true is not a token id)."""
     return isinstance(v, int) and not isinstance(v, bool)

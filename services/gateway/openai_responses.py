@@ -42,7 +42,7 @@ def completion_response(
     for i, r in enumerate(results):
         meta = r["meta_info"]
         text = (prompt_texts[i // req.n] if req.echo else "") + r["text"]
-        lp = completion_logprobs(meta, req.echo, 0) if req.top_logprobs is not None else None
+        lp = completion_logprobs(meta, req.echo) if req.top_logprobs is not None else None
         choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(meta)})
     return _response(req, "text_completion", choices, results, created)
 
@@ -59,7 +59,7 @@ def chat_response(req: OpenAIRequest, results: list[dict[str, Any]], created: in
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" or req.tools.schema is not None else reason
-        lp = {"content": chat_logprobs(meta, 0)} if req.top_logprobs is not None else None
+        lp = {"content": chat_logprobs(meta)} if req.top_logprobs is not None else None
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return _response(req, "chat.completion", choices, results, created)
 
@@ -69,14 +69,14 @@ def _response(req: OpenAIRequest, kind: str, choices: list, results: list, creat
             "choices": choices, "usage": usage(req, results), "system_fingerprint": None}  # fmt: skip
 
 
-def completion_logprobs(meta: dict[str, Any], echo: bool, start: int, text_offset: int = 0) -> dict[str, Any]:
-    """OpenAI's completions logprobs for output rows from `start` (with echo and start 0, the prompt's
+def completion_logprobs(meta: dict[str, Any], echo: bool, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions logprobs of the rows in `meta` (with echo, the prompt's
     rows first; its first token has no logprob)."""
-    rows: list[Any] = list(meta.get("input_token_logprobs") or []) if echo and start == 0 else []
-    tops: list[Any] = list(meta.get("input_top_logprobs") or []) if echo and start == 0 else []
+    rows: list[Any] = list(meta.get("input_token_logprobs") or []) if echo else []
+    tops: list[Any] = list(meta.get("input_top_logprobs") or []) if echo else []
     tops += [None] * (len(rows) - len(tops))
-    rows += meta.get("output_token_logprobs", [])[start:]
-    tops += meta.get("output_top_logprobs", [])[start:]
+    rows += meta.get("output_token_logprobs", [])
+    tops += meta.get("output_top_logprobs", [])
     offsets, at = [], text_offset
     for row in rows:
         offsets.append(at)
@@ -89,9 +89,9 @@ def completion_logprobs(meta: dict[str, Any], echo: bool, start: int, text_offse
     }
 
 
-def chat_logprobs(meta: dict[str, Any], start: int) -> list[dict[str, Any]]:
-    rows = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [])[start:]
+def chat_logprobs(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = meta.get("output_token_logprobs", [])
+    tops = meta.get("output_top_logprobs", [])
     return [
         {**_token(row), "top_logprobs": [_token(t) for t in (top or [])]}
         for row, top in zip(rows, tops + [None] * (len(rows) - len(tops)), strict=True)
@@ -167,13 +167,13 @@ class StreamShaper:
         if self.req.top_logprobs is None:
             return None
         if self.chat:
-            rows = chat_logprobs(meta, 0)
+            rows = chat_logprobs(meta)
             return {"content": rows} if rows else None
         if prompt_only:
             meta = {k: v for k, v in meta.items() if k.startswith("input_")}
         elif self.req.echo:  # the prompt's rows went with the echo
             meta = {k: v for k, v in meta.items() if not k.startswith("input_")}
-        lp = completion_logprobs(meta, self.req.echo, 0, self._offset[i])
+        lp = completion_logprobs(meta, self.req.echo, self._offset[i])
         return lp if lp["tokens"] else None
 
     def _object(self) -> str:

@@ -54,10 +54,13 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from None
         except BusUnavailable as e:
             raise server_error(f"the request could not be queued: {e}; retry", 503) from None
-        texts = [
-            p.text if p.text is not None else self.tokenizer.decode(p.input_ids or []) for p in gen.prompts
-        ]
-        return Submitted(req, gen, states, texts if req.echo else [])
+        texts: list[str] = []
+        if req.echo:  # each prompt's text, as sent or its ids decoded
+            texts = [
+                p.text if p.text is not None else self.tokenizer.decode(p.input_ids or [])
+                for p in gen.prompts
+            ]
+        return Submitted(req, gen, states, texts)
 
     async def answer(self, sub: Submitted) -> dict[str, Any]:
         """The whole response object (a cancelled wait aborts what is unfinished); OpenAIError when
