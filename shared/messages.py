@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from shared.finish import FinishReason
 from shared.sampling_params import SamplingParams
 
 
@@ -33,6 +34,9 @@ class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     out_subject: str  # where the detokenizer sends this request's text
     created: float = 0.0  # gateway wall-clock time, for latency accounting
     logprob: LogprobReq | None = None
+    # requests that run on the same scheduler once this one ended (the n > 1 samples after the
+    # prefill that leaves their prompt in the prefix cache); one work-queue delivery with it
+    then: list[GenerateReq] = []
 
 
 class LogprobOut(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -60,7 +64,7 @@ class AbortReq(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     rids: list[str]
     reason: str = "aborted"
-    finish: dict[str, Any] | None = None
+    finish: FinishReason | None = None
     restart: bool = False
 
 
@@ -69,7 +73,6 @@ class NewReqInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     rid: str
     out_subject: str
-    prompt_tokens: int
     stop: list[str] = []
     stop_regex: list[str] = []
     skip_special_tokens: bool = True
@@ -92,7 +95,7 @@ class BatchTokenOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: list[int] = []
     # output tokens each request had before this step's: a gap means the bus lost a message
     offsets: list[int] = []
-    finish_reasons: list[dict[str, Any] | None] = []
+    finish_reasons: list[FinishReason | None] = []
     logprobs: list[LogprobOut | None] = []  # empty when no request in the step asked for logprobs
 
 
@@ -106,9 +109,13 @@ class TextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     offset: int = 0  # output ids sent before this delta: a gap means the bus lost a message
     attempt: int = 1  # which delivery of the request produced it (see NewReqInfo)
     work_token: str = ""  # on the final output: the gateway acknowledges the request with it
-    finished: bool = False
-    meta: dict[str, Any] = {}  # prompt_tokens, completion_tokens, cached_tokens, finish_reason when finished
+    finish: FinishReason | None = None  # on the final output
+    cached_tokens: int = 0  # on the final output: prompt tokens found in the prefix cache
     logprobs: LogprobOut | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
 
 
 class BatchTextOut(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -16,6 +16,7 @@ from typing import Any
 
 import regex
 
+from shared.finish import Abort, FinishReason, Stop
 from shared.messages import AbortReq, BatchTextOut, BatchTokenOut, NewReqInfo, TextOut
 
 _REGEX_TIMEOUT_S = 0.05  # per stop_regex search
@@ -81,11 +82,11 @@ class Detokenizer:
                 matched = None
                 if finish is None:
                     stopped.append(AbortReq(rids=[rid]))
-                finish = {"type": "abort", "message": f"detokenization failed: {e}", "status_code": 500}
+                finish = Abort(f"detokenization failed: {e}", 500)
             if matched is not None:
                 if finish is None:  # the scheduler is still generating: tell it to stop
-                    stopped.append(AbortReq(rids=[rid], finish={"type": "stop", "matched": matched}))
-                finish = {"type": "stop", "matched": matched}
+                    stopped.append(AbortReq(rids=[rid], finish=Stop(matched)))
+                finish = Stop(matched)
             out = self._out(st, finish, cached)
             out.logprobs = lp
             outs.setdefault(st.info.out_subject, BatchTextOut()).outs.append(out)
@@ -113,11 +114,11 @@ class Detokenizer:
         st.prefix_offset, st.read_offset = max(0, offset - 5), offset
         st.sent_ids = min(st.sent_ids, offset)
 
-    def _advance(self, st: _State, finish: dict | None) -> str | None:
+    def _advance(self, st: _State, finish: FinishReason | None) -> str | None:
         skip = st.info.skip_special_tokens
         if finish is not None:
             # a matched stop token stays in output_ids but not in the text (SGLang's trim_matched_stop)
-            trim = isinstance(finish.get("matched"), int) and not st.info.no_stop_trim
+            trim = isinstance(finish, Stop) and isinstance(finish.matched, int) and not st.info.no_stop_trim
             st.text = self._decode(st.ids[:-1] if trim else st.ids, skip_special_tokens=skip)
         else:
             prefix = self._decode(st.ids[st.prefix_offset : st.read_offset], skip_special_tokens=skip)
@@ -150,7 +151,7 @@ class Detokenizer:
         st.text = st.text[: pos + len(s)] if st.info.no_stop_trim else st.text[:pos]
         return s
 
-    def _out(self, st: _State, finish: dict | None, cached: int) -> TextOut:
+    def _out(self, st: _State, finish: FinishReason | None, cached: int) -> TextOut:
         end = len(st.text) if finish is not None else len(st.text) - _stop_prefix_len(st.text, st.info.stop)
         # text is append-only, except that the final output cuts a stop_regex match that began in text
         # already sent (a regex cannot be held back as a stop string's prefix is)
@@ -160,14 +161,7 @@ class Detokenizer:
                       offset=sent, attempt=st.info.attempt)  # fmt: skip
         st.sent_text, st.sent_ids = end, len(st.ids)
         if finish is not None:
-            out.finished = True
-            out.work_token = st.info.work_token
-            out.meta = {
-                "prompt_tokens": st.info.prompt_tokens,
-                "completion_tokens": len(st.ids),
-                "cached_tokens": cached,
-                "finish_reason": finish,
-            }
+            out.finish, out.cached_tokens, out.work_token = finish, cached, st.info.work_token
         return out
 
 

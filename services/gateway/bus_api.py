@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from services.gateway import sglang_shape
 from services.gateway.generate_input import decode_json
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_serving import OpenAIServing
@@ -104,11 +105,11 @@ class BusApi:
             return
         try:
             if stream:
-                async for chunk in self.requests.stream(req, states):
-                    await self._send(reply, chunk)
+                async for event in self.requests.stream(states):
+                    await self._send(reply, sglang_shape.stream_chunk(event, req.is_batch))
                 await self.transport.publish(reply, END)
             else:
-                await self._send(reply, await self.requests.wait(req, states))
+                await self._send(reply, sglang_shape.results(await self.requests.wait(states), req.is_batch))
         except Exception as e:  # answer rather than leave the caller waiting
             log.exception("bus API request failed")
             await self._send(reply, {"error": {"message": f"internal error: {e}", "code": 500}})

@@ -7,7 +7,6 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import orjson
 from starlette.applications import Starlette
@@ -18,12 +17,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sglbus
+from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, parse_generate_input
-from services.gateway.http_util import json_response, read_json, server_failed, wait_or_disconnect
+from services.gateway.http_util import json_response, read_json, wait_or_disconnect
 from services.gateway.metrics import metrics_route
 from services.gateway.openai_api import openai_routes
 from services.gateway.service import Gateway
+from shared.finish import Abort
 from shared.transport import BusUnavailable
 
 log = logging.getLogger(__name__)
@@ -81,14 +82,13 @@ def build_app(gw: Gateway) -> Starlette:
             return error(f"the request could not be queued: {e}; retry", 503)
         if req.stream:
             return StreamingResponse(_sse(gw, req, states), media_type="text/event-stream")
-        answered, result = await wait_or_disconnect(request, gw.requests.wait(req, states))
+        answered, done = await wait_or_disconnect(request, gw.requests.wait(states))
         if not answered:  # nobody to answer
             return Response(status_code=499)
-        failed = next((r for r in _as_list(result) if server_failed(r)), None)
+        failed = next((st.failure for st in done if st.failure is not None), None)
         if failed is not None:
-            reason = failed["meta_info"]["finish_reason"]
-            return error(reason["message"], reason.get("status_code", 500))
-        return json_response(result)
+            return error(failed.message, failed.status_code or 500)
+        return json_response(sglang_shape.results(done, req.is_batch))
 
     async def health(request: Request) -> Response:
         return Response(status_code=200) if gw.ready else error(gw.why_down(), 503)
@@ -100,11 +100,14 @@ def build_app(gw: Gateway) -> Starlette:
             {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
         )
         try:
-            out = await asyncio.wait_for(gw.requests.generate(probe), gw.cfg.health_generate_timeout)
+            states = await gw.requests.submit(probe)
+            [st] = await asyncio.wait_for(gw.requests.wait(states), gw.cfg.health_generate_timeout)
         except TimeoutError:
             return error("a 1-token generation did not finish in time", 503)
-        if out["meta_info"]["finish_reason"]["type"] == "abort":
-            return error(out["meta_info"]["finish_reason"]["message"], 503)
+        except BusUnavailable as e:
+            return error(f"the probe could not be queued: {e}", 503)
+        if isinstance(st.finish, Abort):
+            return error(st.finish.message, 503)
         return Response(status_code=200)
 
     async def model_info(request: Request) -> Response:
@@ -168,14 +171,8 @@ def build_app(gw: Gateway) -> Starlette:
 
 
 async def _sse(gw: Gateway, req: GenerateInput, states: list) -> AsyncIterator[bytes]:
-    async for chunk in gw.requests.stream(req, states):
-        if server_failed(chunk):
-            msg = chunk["meta_info"]["finish_reason"]["message"]
-            yield b"data: " + orjson.dumps({"error": {"message": msg}}) + b"\n\n"
-        else:
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    async for event in gw.requests.stream(states):
+        failed = sglang_shape.error_body(event.state) if event.finish is not None else None
+        chunk = failed if failed is not None else sglang_shape.stream_chunk(event, req.is_batch)
+        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-def _as_list(result: Any) -> list[dict[str, Any]]:
-    return result if isinstance(result, list) else [result]

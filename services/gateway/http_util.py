@@ -47,10 +47,3 @@ async def wait_or_disconnect(request: Request, result: Awaitable[Any]) -> tuple[
                 await waiter
             return False, None
     return True, waiter.result()
-
-
-def server_failed(resp: dict[str, Any]) -> bool:
-    """A result the server ended with an error (an abort with a status code; a client's own abort has
-    none)."""
-    reason = resp["meta_info"].get("finish_reason") or {}
-    return reason.get("type") == "abort" and "status_code" in reason

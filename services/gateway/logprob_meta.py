@@ -34,11 +34,12 @@ class LogprobAccumulator:
             if data:
                 parts.append(np.frombuffer(data, dtype=_FIELDS[key.split("_", 1)[1]]))
 
-    def take_input(self, other: LogprobAccumulator) -> None:
-        """Prompt logprobs computed by another request on the same prompt (n > 1 samples share them)."""
+    def share_input(self, other: LogprobAccumulator) -> None:
+        """The prompt logprobs are those another request on the same prompt computes (n > 1 samples
+        share their prefill's), read from it as they arrive."""
         for key, parts in other._parts.items():
             if key.startswith("input_"):
-                self._parts[key] = list(parts)
+                self._parts[key] = parts
 
     def _array(self, key: str, width: int | None = None) -> np.ndarray:
         parts = self._parts[key]

@@ -1,6 +1,6 @@
-"""SGLang-shaped results (`RequestManager`: text, output_ids, meta_info) in OpenAI's shapes: the
-`text_completion` and `chat.completion` objects, their stream chunks (deltas of the cumulative
-chunks), logprobs as each endpoint writes them, usage with `prompt_tokens_details.cached_tokens`.
+"""The OpenAI shaper: the gateway's finished request states and stream deltas (`request_state.py`) in
+OpenAI's shapes: the `text_completion` and `chat.completion` objects, their stream chunks, logprobs as
+each endpoint writes them, usage with `prompt_tokens_details.cached_tokens`.
 
 Choices run prompt by prompt, n per prompt (choice index = prompt * n + sample), as OpenAI orders them.
 finish_reason: stop (EOS, a stop string or id, a grammar's end), length, tool_calls (chat, tool calls
@@ -12,21 +12,16 @@ import time
 from typing import Any
 
 from services.gateway.openai_requests import OpenAIRequest
+from services.gateway.request_state import Delta, RequestState
+from shared.finish import api_name
 
 
-def finish_reason(meta: dict[str, Any]) -> str | None:
-    reason = meta.get("finish_reason")
-    if not reason:
-        return None
-    kind = reason.get("type")
-    return kind if kind in ("stop", "length") else "abort"
-
-
-def usage(req: OpenAIRequest, results: list[dict[str, Any]]) -> dict[str, Any]:
+def usage(req: OpenAIRequest, results: list[RequestState]) -> dict[str, Any]:
+    """n samples of a prompt count its prompt (and its cached part) once."""
     groups = [results[i : i + req.n] for i in range(0, len(results), req.n)]
-    prompt = sum(g[0]["meta_info"]["prompt_tokens"] for g in groups)
-    cached = sum(min(r["meta_info"].get("cached_tokens", 0) for r in g) for g in groups)
-    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    prompt = sum(g[0].prompt_tokens for g in groups)
+    cached = sum(min(st.cached_tokens for st in g) for g in groups)
+    completion = sum(len(st.output_ids) for st in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -36,30 +31,28 @@ def usage(req: OpenAIRequest, results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def completion_response(
-    req: OpenAIRequest, results: list[dict[str, Any]], prompt_texts: list[str], created: int
+    req: OpenAIRequest, results: list[RequestState], prompt_texts: list[str], created: int
 ) -> dict[str, Any]:
     choices = []
-    for i, r in enumerate(results):
-        meta = r["meta_info"]
-        text = (prompt_texts[i // req.n] if req.echo else "") + r["text"]
-        lp = completion_logprobs(meta, req.echo) if req.top_logprobs is not None else None
-        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(meta)})
+    for i, st in enumerate(results):
+        text = (prompt_texts[i // req.n] if req.echo else "") + st.text
+        lp = completion_logprobs(st.logprob_meta(), req.echo) if req.top_logprobs is not None else None
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": api_name(st.finish)})
     return _response(req, "text_completion", choices, results, created)
 
 
-def chat_response(req: OpenAIRequest, results: list[dict[str, Any]], created: int) -> dict[str, Any]:
+def chat_response(req: OpenAIRequest, results: list[RequestState], created: int) -> dict[str, Any]:
     choices = []
-    for i, r in enumerate(results):
-        meta = r["meta_info"]
-        message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
-        reason = finish_reason(meta)
+    for i, st in enumerate(results):
+        message: dict[str, Any] = {"role": "assistant", "content": st.text}
+        reason = api_name(st.finish)
         if req.tools is not None:
-            content, calls = req.tools.parse(r["text"])
+            content, calls = req.tools.parse(st.text)
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" or req.tools.schema is not None else reason
-        lp = {"content": chat_logprobs(meta)} if req.top_logprobs is not None else None
+        lp = {"content": chat_logprobs(st.logprob_meta())} if req.top_logprobs is not None else None
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return _response(req, "chat.completion", choices, results, created)
 
@@ -104,8 +97,8 @@ def _token(row: list[Any]) -> dict[str, Any]:
 
 
 class StreamShaper:
-    """Delta chunks of the RequestManager (`stream(..., deltas=True)`: one choice each, `index` when
-    there are several; only the new text and logprob rows) -> OpenAI's chunks. With tools (chat,
+    """The RequestManager's deltas (one choice each: `index`, the new text and logprob rows, the finish
+    reason at the end) -> OpenAI's chunks. With tools (chat,
     tool_choice not "none") a choice's answer is held until it is complete, then sent as content or
     tool_calls: a call cannot be told from text before it ends."""
 
@@ -114,14 +107,13 @@ class StreamShaper:
         self.created = int(time.time())
         self._offset: dict[int, int] = {}  # text sent per choice (completions' logprob text_offset)
         self._held: dict[int, str] = {}  # with tools: the answer so far
-        self._finals: dict[int, dict[str, Any]] = {}
+        self._finals: dict[int, RequestState] = {}
         self.chat = req.kind == "chat"
 
-    def chunks(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    def chunks(self, delta: Delta) -> list[dict[str, Any]]:
         """The OpenAI chunks one delta of a choice gives."""
-        i = delta.get("index", 0)
-        meta, text = delta["meta_info"], delta["text"]
-        reason = finish_reason(meta)
+        i, text, meta = delta.index, delta.text, delta.logprobs or {}
+        reason = api_name(delta.finish)
         out = []
         if i not in self._offset:  # the choice's first chunk
             self._offset[i], self._held[i] = 0, ""
@@ -132,7 +124,7 @@ class StreamShaper:
                 out.append(self._chunk(i, echo, None, self._logprobs(i, meta, prompt_only=True)))
                 self._offset[i] = len(echo)
         if reason is not None:
-            self._finals[i] = delta
+            self._finals[i] = delta.state
         if self.chat and self.req.tools is not None:  # held until complete
             self._held[i] += text
             if reason is None:

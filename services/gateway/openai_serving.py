@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.generate_input import GenerateInput, parse_generate_input
-from services.gateway.http_util import server_failed
 from services.gateway.openai_errors import OpenAIError, server_error
 from services.gateway.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from services.gateway.openai_responses import StreamShaper, chat_response, completion_response
@@ -65,12 +64,10 @@ class OpenAIServing:
     async def answer(self, sub: Submitted) -> dict[str, Any]:
         """The whole response object (a cancelled wait aborts what is unfinished); OpenAIError when
         the server failed the request."""
-        result = await self.requests.wait(sub.gen, sub.states)
-        results = result if isinstance(result, list) else [result]
-        failed = next((r for r in results if server_failed(r)), None)
+        results = await self.requests.wait(sub.states)
+        failed = next((st.failure for st in results if st.failure is not None), None)
         if failed is not None:
-            reason = failed["meta_info"]["finish_reason"]
-            raise server_error(reason["message"], reason.get("status_code", 500))
+            raise server_error(failed.message, failed.status_code or 500)
         created = int(time.time())
         if sub.req.kind == "chat":
             return chat_response(sub.req, results, created)
@@ -80,12 +77,12 @@ class OpenAIServing:
         """The stream's payloads: chunks, an error object where the server failed a choice, the usage
         chunk when asked for (the caller ends the stream: `data: [DONE]` over HTTP)."""
         shaper = StreamShaper(sub.req, sub.prompt_texts)
-        async for chunk in self.requests.stream(sub.gen, sub.states, deltas=True):
-            if server_failed(chunk):
-                reason = chunk["meta_info"]["finish_reason"]
-                yield server_error(reason["message"], reason.get("status_code", 500)).body()
+        async for delta in self.requests.stream(sub.states):
+            failed = delta.state.failure if delta.finish is not None else None
+            if failed is not None:
+                yield server_error(failed.message, failed.status_code or 500).body()
                 continue
-            for out in shaper.chunks(chunk):
+            for out in shaper.chunks(delta):
                 yield out
         if sub.req.include_usage:
             yield shaper.usage_chunk()

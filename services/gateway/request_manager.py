@@ -1,5 +1,7 @@
 """The gateway's side of a request: tokenize, publish to the schedulers, collect the detokenizer's
-text, and shape SGLang's `/generate` response (one dict per prompt, cumulative text when streaming).
+text into typed request states (`request_state.py`), and hand them out finished (`wait`) or as typed
+deltas while they run (`stream`); `generate` / `generate_stream` shape them as SGLang's `/generate`
+(`sglang_shape.py`), the OpenAI API as its own (`openai_responses.py`).
 
 Requests go into the schedulers' work queue, which keeps each one until this gateway acknowledges it
 with its final output. A request whose worker died, or whose output the bus lost, comes back as a new
@@ -20,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
 from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
 from services.gateway.prompt_tokens import PromptTokens
-from services.gateway.request_state import RequestState
+from services.gateway.request_state import Delta, RequestState
+from shared.finish import Abort, describe
 from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
 from shared.transport import ACK, Message, Subjects, Subscription, Transport
@@ -86,42 +90,37 @@ class RequestManager:
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, obj: dict[str, Any] | GenerateInput) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's `/generate` response (a dict, or a list for batch input or n > 1)."""
         req = obj if isinstance(obj, GenerateInput) else parse_generate_input(obj)
-        return await self.wait(req, await self.submit(req))
+        return sglang_shape.results(await self.wait(await self.submit(req)), req.is_batch)
 
     async def generate_stream(self, obj: dict[str, Any] | GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        """SGLang's `/generate` stream chunks (cumulative; batch chunks carry `index`)."""
         req = obj if isinstance(obj, GenerateInput) else parse_generate_input(obj)
-        async for chunk in self.stream(req, await self.submit(req)):
-            yield chunk
+        async for event in self.stream(await self.submit(req)):
+            yield sglang_shape.stream_chunk(event, req.is_batch)
 
     async def submit(self, req: GenerateInput) -> list[RequestState]:
         """Tokenize, validate and publish every prompt; ValueError (nothing published) on bad input.
-        n > 1: each prompt is prefilled once (a max_new_tokens=0 request that leaves it in the prefix
-        cache and computes the prompt logprobs, if asked, for all samples), then its n samples go out,
-        `{rid}_{j}`, with seeds derived from sampling_seed."""
+        n > 1: each prompt goes out as one group for one scheduler: a prefill (max_new_tokens=0) that
+        leaves it in the prefix cache and computes the prompt logprobs, if asked, for all samples;
+        then, once it ended, its n samples `{rid}_{j}`, with seeds derived from sampling_seed. The
+        states returned are the samples'."""
         prompts = [
             dataclasses.replace(p, text=None, input_ids=await self._checked_ids(p)) for p in req.prompts
         ]
         n = prompts[0].sampling.n
         if n == 1:
-            return await self._publish(prompts)
-        warm = [_warm_prompt(p) for p in prompts]
-        warm_states = await self._publish(warm)
-        await self.wait(GenerateInput(warm, True, False), warm_states)
-        samples: list[Prompt] = []
-        shared: list[LogprobAccumulator | None] = []
-        for p, w in zip(prompts, warm_states, strict=True):
-            aborted = (w.meta.get("finish_reason") or {}).get("type") == "abort"
-            acc = None if aborted else w.logprobs  # else each sample computes its own prompt logprobs
-            for j in range(n):
-                sample = _nth_sample(p, j)
-                if acc is not None:
-                    sample = dataclasses.replace(
-                        sample, logprob=dataclasses.replace(p.logprob, input_shared=True)
-                    )
-                samples.append(sample)
-                shared.append(acc)
-        return await self._publish(samples, shared)
+            return [st for (st,) in await self._publish([[p] for p in prompts])]
+        groups = []
+        for p in prompts:
+            warm = _warm_prompt(p)
+            samples = [_nth_sample(p, j) for j in range(n)]
+            if warm.logprob is not None:  # the prefill computes the prompt's logprobs for all samples
+                shared = dataclasses.replace(p.logprob, input_shared=True)
+                samples = [dataclasses.replace(s, logprob=shared) for s in samples]
+            groups.append([warm, *samples])
+        return [st for group in await self._publish(groups) for st in group[1:]]
 
     async def _checked_ids(self, p: Prompt) -> list[int]:
         """`_validate` on a thread for a long prompt, so the event loop keeps answering."""
@@ -164,43 +163,53 @@ class RequestManager:
                 f"{limit}-byte limit; raise logprob_start_len or ask for fewer logprobs per position"
             )
 
-    async def _publish(
-        self, prompts: list[Prompt], shared: list[LogprobAccumulator | None] | None = None
-    ) -> list[RequestState]:
-        """`shared[i]`: where prompt i's prompt logprobs were computed already (n > 1)."""
-        states, msgs, rids = [], [], set()
-        for i, p in enumerate(prompts):
-            assert p.input_ids is not None
-            if p.rid in self._states or p.rid in rids:
-                raise ValueError(f"rid {p.rid!r} is already in use")
-            rids.add(p.rid)
-            now = time.time()
-            st = RequestState(
-                p.rid, len(p.input_ids), now, prompt_ids=p.input_ids if p.return_prompt_ids else None
-            )
-            if p.logprob is not None:
-                texts = self.prompt_tokens.token_texts
-                st.new_logprobs = _logprob_factory(p, texts, shared[i] if shared else None)
-                st.logprobs = st.new_logprobs()
-            states.append(st)
-            msgs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
-                                    out_subject=self.out_subject, created=now,
-                                    logprob=p.logprob.request() if p.logprob else None))  # fmt: skip
-        for i, (st, msg) in enumerate(zip(states, msgs, strict=True)):
-            self._states[st.rid] = st
-            st.published = time.perf_counter()
+    async def _publish(self, groups: list[list[Prompt]]) -> list[list[RequestState]]:
+        """Each group is one message for one scheduler: its first request, and the others to run there
+        after it (`GenerateReq.then`); a request with `input_shared` logprobs takes its prompt's from
+        the first."""
+        states: list[list[RequestState]] = []
+        msgs, rids = [], set()
+        for group in groups:
+            members: list[RequestState] = []
+            reqs = []
+            for p in group:
+                assert p.input_ids is not None
+                if p.rid in self._states or p.rid in rids:
+                    raise ValueError(f"rid {p.rid!r} is already in use")
+                rids.add(p.rid)
+                now = time.time()
+                st = RequestState(
+                    p.rid, len(p.input_ids), now, prompt_ids=p.input_ids if p.return_prompt_ids else None
+                )
+                if p.logprob is not None:
+                    source = members[0] if members and p.logprob.input_shared else None
+                    st.new_logprobs = _logprob_factory(p, self.prompt_tokens.token_texts, source)
+                    st.logprobs = st.new_logprobs()
+                members.append(st)
+                reqs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
+                                        out_subject=self.out_subject, created=now,
+                                        logprob=p.logprob.request() if p.logprob else None))  # fmt: skip
+            if len(members) > 1:
+                for st in members:
+                    st.group = members
+            states.append(members)
+            msgs.append(msgspec.structs.replace(reqs[0], then=reqs[1:]))
+        for i, (members, msg) in enumerate(zip(states, msgs, strict=True)):
+            for st in members:
+                self._states[st.rid] = st
+                st.published = time.perf_counter()
             try:
                 await self.transport.publish_work(self.subjects.req, encode(msg))
             except BaseException:  # BusUnavailable (answered 503), or the caller went away
                 for later in states[i:]:
-                    self._states.pop(later.rid, None)
-                await self._forget(states[:i])
+                    for st in later:
+                        self._states.pop(st.rid, None)
+                await self._forget([st for g in states[:i] for st in g])
                 raise
         return states
 
-    async def wait(
-        self, req: GenerateInput, states: list[RequestState]
-    ) -> dict[str, Any] | list[dict[str, Any]]:
+    async def wait(self, states: list[RequestState]) -> list[RequestState]:
+        """The states once all have finished (a cancelled wait aborts what is unfinished)."""
         try:
             for st in states:
                 while not st.finished:
@@ -208,15 +217,11 @@ class RequestManager:
                     st.changed.clear()
         finally:
             await self._forget(states)
-        results = [st.response() for st in states]
-        return results if req.is_batch else results[0]
+        return states
 
-    async def stream(
-        self, req: GenerateInput, states: list[RequestState], deltas: bool = False
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Chunks of one prompt each: its cumulative text and output ids (SGLang's stream), or with
-        deltas=True only what is new since its last chunk (`RequestState.delta`); batch chunks carry
-        `index`."""
+    async def stream(self, states: list[RequestState]) -> AsyncIterator[Delta]:
+        """Each request's deltas as its outputs arrive (`Delta.index`: its place in `states`), the
+        last with its finish reason; closing the stream early aborts what is unfinished."""
         pending = {asyncio.ensure_future(st.changed.wait()): i for i, st in enumerate(states)}
         try:
             while pending:
@@ -225,11 +230,9 @@ class RequestManager:
                     i = pending.pop(fut)
                     st = states[i]
                     st.changed.clear()
-                    chunk = st.delta() if deltas else st.response()
+                    event = st.delta(i)
                     st.streamed = st.streamed or bool(st.output_ids)
-                    if req.is_batch:
-                        chunk["index"] = i
-                    yield chunk
+                    yield event
                     if not st.finished:
                         pending[asyncio.ensure_future(st.changed.wait())] = i
         finally:
@@ -243,8 +246,7 @@ class RequestManager:
             st = self._states.get(rid)
             if st is not None and not st.finished:
                 log.warning("request %s failed: %s", rid, message)
-                st.meta["finish_reason"] = {"type": "abort", "message": message, "status_code": 503}
-                st.finished, st.finished_at = True, time.time()
+                st.end(Abort(message, 503))
                 st.changed.set()
 
     def quiet_rids(self, seconds: float) -> list[str]:
@@ -267,6 +269,8 @@ class RequestManager:
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
 
     async def _forget(self, states: list[RequestState]) -> None:
+        """Done with these requests (and the rest of their groups)."""
+        states = list({id(m): m for st in states for m in (st.group or (st,))}.values())
         unfinished = [st.rid for st in states if not st.finished]
         for st in states:
             if self._states.pop(st.rid, None) is not None and self.metrics is not None:
@@ -305,7 +309,8 @@ class RequestManager:
                 continue
             self._add(st, out, batch.worker)
             st.changed.set()
-            if out.finished:  # the request is done: the work queue may forget it
+            if out.finished and all(m.finished for m in st.group or ()):
+                # the request (with the rest of its group: one delivery) is done: the work queue may forget it
                 await self.transport.settle_work(out.work_token, ACK)
 
     def _add(self, st: RequestState, out: TextOut, worker: str = "") -> None:
@@ -321,15 +326,15 @@ class RequestManager:
             self._observe_tokens(st, len(st.output_ids) - before)
         if out.logprobs is not None and st.logprobs is not None:
             st.logprobs.add(out.logprobs)
-        if out.finished:
-            st.meta.update(out.meta)
-            st.finished, st.finished_at = True, time.time()
+        if out.finish is not None:
+            st.cached_tokens = out.cached_tokens
+            st.end(out.finish)
             self.stats["finished"] += 1
             self.stats["bus_s"] += time.perf_counter() - st.published
             log.info(
                 "finished %s: %d prompt + %d output tokens (%d cached), %.3f s, %s",
-                st.rid, st.prompt_tokens, len(st.output_ids), out.meta.get("cached_tokens", 0),
-                time.time() - st.created, _finish_text(out.meta.get("finish_reason")),
+                st.rid, st.prompt_tokens, len(st.output_ids), st.cached_tokens,
+                time.time() - st.created, describe(st.finish),
             )  # fmt: skip
 
     def _observe_tokens(self, st: RequestState, n: int) -> None:
@@ -348,12 +353,10 @@ class RequestManager:
         """The gateway is done with the request (answered, or its client went away): its token counts
         as in its response's meta_info; aborted when it ended with an abort or never finished."""
         assert self.metrics is not None
-        meta = st.meta
-        aborted = not st.finished or (meta.get("finish_reason") or {}).get("type") == "abort"
+        aborted = not st.finished or isinstance(st.finish, Abort)
         e2e = None if st.finished_at is None else st.finished_at - st.created
-        self.metrics.request_done(st.worker, meta.get("prompt_tokens", st.prompt_tokens),
-                                  meta.get("completion_tokens", len(st.output_ids)),
-                                  meta.get("cached_tokens", 0), e2e, aborted)  # fmt: skip
+        self.metrics.request_done(st.worker, st.prompt_tokens, len(st.output_ids), st.cached_tokens,
+                                  e2e, aborted)  # fmt: skip
 
     async def _start_over(self, st: RequestState, attempt: int) -> bool:
         """A new attempt of the request (its worker died, or its output was lost) begins: forget what
@@ -370,7 +373,7 @@ class RequestManager:
             return False
         log.warning("%s: attempt %d starts over (attempt %d did not finish)", st.rid, attempt, st.attempt)
         st.attempt, st.broken = attempt, False
-        st.text, st.output_ids, st.meta = "", [], {}
+        st.text, st.output_ids, st.finish, st.cached_tokens = "", [], None, 0
         st.sent_text = st.sent_ids = st.sent_rows = 0
         st.sent_input = False
         if st.new_logprobs is not None:
@@ -379,23 +382,19 @@ class RequestManager:
 
 
 def _logprob_factory(
-    p: Prompt, token_texts: Callable[[list[int]], list[str]], shared: LogprobAccumulator | None
+    p: Prompt, token_texts: Callable[[list[int]], list[str]], source: RequestState | None
 ) -> Callable[[], LogprobAccumulator]:
+    """source: the request whose prompt logprobs these are (n > 1: the prompt's prefill; its current
+    attempt's, read as they arrive)."""
+
     def make() -> LogprobAccumulator:
         assert p.logprob is not None and p.input_ids is not None
         acc = LogprobAccumulator(p.logprob, p.input_ids, token_texts)
-        if shared is not None:
-            acc.take_input(shared)
+        if source is not None and source.logprobs is not None:
+            acc.share_input(source.logprobs)
         return acc
 
     return make
-
-
-def _finish_text(reason: dict[str, Any] | None) -> str:
-    if not reason:
-        return "?"
-    detail = reason.get("matched", reason.get("length", reason.get("message")))
-    return f"{reason.get('type')} ({detail!r})" if detail is not None else str(reason.get("type"))
 
 
 # room in a bus message for everything besides a request's prompt logprob arrays

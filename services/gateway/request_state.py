@@ -1,6 +1,7 @@
-"""One request at the gateway: what its outputs brought so far (text, ids, logprobs, finish), how far
-a delta stream has sent it, and its shape as `/generate` answers it: cumulative (`response`) or only
-what is new since the last delta (`delta`)."""
+"""One request at the gateway: what its outputs brought so far (text, ids, logprobs, its finish
+reason), how far a stream has sent it, and `delta()`: the typed event of what is new since the last
+one. The RequestManager yields these events; one shaper per API turns them (and finished states) into
+responses: `sglang_shape.py` (`/generate`, cumulative), `openai_responses.py` (OpenAI's deltas)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.logprob_meta import LogprobAccumulator
+from shared.finish import Abort, FinishReason
 
 
 @dataclass
@@ -20,8 +22,8 @@ class RequestState:
     created: float
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
-    finished: bool = False
+    finish: FinishReason | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache had (known when it finished)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     updated: float = field(default_factory=time.monotonic)  # last output, for the lost-request check
     published: float = 0.0  # perf_counter when the request went on the bus
@@ -35,46 +37,59 @@ class RequestState:
     last_token_at: float = 0.0  # of its latest output tokens (inter-token latency)
     finished_at: float | None = None
     prompt_ids: list[int] | None = None  # return_prompt_token_ids: sent with every response
-    # what delta chunks have sent: text length, output ids, output logprob rows, the prompt's logprobs
+    # n > 1: the prompt's prefill and its samples, one work-queue delivery (acknowledged once all ended)
+    group: list[RequestState] | None = None
+    # what deltas have sent: text length, output ids, output logprob rows, the prompt's logprobs
     sent_text: int = 0
     sent_ids: int = 0
     sent_rows: int = 0
     sent_input: bool = False
 
-    def response(self) -> dict[str, Any]:
-        """The request so far, as /generate answers it (cumulative)."""
-        return self._shape(self.text, list(self.output_ids), None)
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
 
-    def delta(self) -> dict[str, Any]:
-        """What is new since the last delta, in the same shape: the new text and output ids
-        (`output_offset`: where they go; below the ids sent before when a jump-forward retokenized
-        them), the new output logprob rows (the prompt's in the first delta only). O(new tokens)."""
+    @property
+    def failure(self) -> Abort | None:
+        """The abort the server ended it with (a refusal or a fault), or None."""
+        f = self.finish
+        return f if isinstance(f, Abort) and f.failed else None
+
+    def end(self, finish: FinishReason) -> None:
+        self.finish, self.finished_at = finish, time.time()
+
+    def logprob_meta(self, start: int = 0, input_side: bool = True) -> dict[str, Any]:
+        """Its logprobs in SGLang's meta_info keys: the prompt's (unless input_side is False) and the
+        output rows from `start` on; {} when it asked for none."""
+        if self.logprobs is None:
+            return {}
+        return self.logprobs.meta(self.output_ids, start, input_side)
+
+    def delta(self, index: int = 0) -> Delta:
+        """What is new since the last delta: O(new tokens)."""
         text = self.text[self.sent_text :]  # the text only grows (a stop_regex cut at the end: nothing)
         start = min(self.sent_ids, len(self.output_ids))
-        out = self._shape(text, self.output_ids[start:], (self.sent_rows, not self.sent_input))
-        out["output_offset"] = start
+        lp = self.logprob_meta(self.sent_rows, not self.sent_input) if self.logprobs is not None else None
+        event = Delta(self, index, text, self.output_ids[start:], start, lp, self.finish)
         self.sent_text, self.sent_ids = max(self.sent_text, len(self.text)), len(self.output_ids)
         self.sent_input = True
         if self.logprobs is not None:
             self.sent_rows = self.logprobs.output_rows
-        return out
+        return event
 
-    def _shape(self, text: str, ids: list[int], rows: tuple[int, bool] | None) -> dict[str, Any]:
-        """rows: (the first output logprob row, whether the prompt's rows go too); None: all of them."""
-        meta = {
-            "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
-            "finish_reason": None,
-            **self.meta,
-        }
-        if self.logprobs is not None:
-            start, input_side = rows or (0, True)
-            meta.update(self.logprobs.meta(self.output_ids, start, input_side))
-        if self.finished:
-            meta["e2e_latency"] = time.time() - self.created
-        out = {"text": text, "output_ids": ids, "meta_info": meta}
-        if self.prompt_ids is not None:
-            out["prompt_token_ids"] = self.prompt_ids
-        return out
+
+@dataclass(frozen=True)
+class Delta:
+    """One request's event: the text and output ids new since its last event (`output_offset`: where
+    the ids go; below those sent before when a jump-forward retokenized them), its new output logprob
+    rows in meta_info keys (the prompt's with the first event; None when it asked for none), and its
+    finish reason once it ended. `state`: the request so far, for APIs whose chunks are cumulative.
+    `index`: the request's place among those of its call."""
+
+    state: RequestState
+    index: int
+    text: str
+    output_ids: list[int]
+    output_offset: int
+    logprobs: dict[str, Any] | None
+    finish: FinishReason | None

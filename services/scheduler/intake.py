@@ -1,13 +1,19 @@
 """What arrives at a scheduler besides its steps: new requests (checked first: a bad one is answered
 with a 400 at once and never runs), rejections, aborts and drops. `Scheduler` takes these methods;
-they touch only its queues (`waiting`, `running`) and its step output."""
+they touch only its queues (`waiting`, `running`, `held`) and its step output.
+
+A request may bring others that run after it on this worker (`GenerateReq.then`: the n > 1 samples
+after the prefill that leaves their prompt in the prefix cache). They wait in `held` until it ended,
+then queue (or share its abort); they are one work-queue delivery with it, so they are dropped,
+restarted and delivered again together."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from services.scheduler.request import Req, check_request
+from services.scheduler.request import DROPPED, Req, check_request
+from shared.finish import Abort, FinishReason
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 from shared.transport import Work
@@ -25,15 +31,29 @@ class RequestIntake:
     vocab_size: int
     context_len: int
     eos_ids: tuple[int, ...]
+    held: dict[int, list[Req]]  # a request's uid -> the requests that run after it (GenerateReq.then)
 
     def add_request(self, msg: GenerateReq, work: Work | None = None) -> None:
-        """Queue a request, or answer it at once with a 400 that names what is wrong with it. `work`:
-        the work-queue delivery it came in (None in-process)."""
+        """Queue a request (and hold those that run after it), or answer it at once with a 400 that
+        names what is wrong with it. `work`: the work-queue delivery it came in (None in-process)."""
         if work is not None and work.deliveries > 1:
-            live = next((r for r in (*self.waiting, *self.running) if r.rid == msg.rid), None)
-            if live is not None:  # delivered again while it runs here (a late keep-alive): keep going
-                live.work_token = work.token
+            rids = {msg.rid, *(m.rid for m in msg.then)}
+            live = [r for r in self._all() if r.rid in rids]
+            if live:  # delivered again while it runs here (a late keep-alive): keep going
+                for r in live:
+                    r.work_token = work.token
                 return
+        req = self._checked(msg, work)
+        if isinstance(req.finish, Abort):  # refused: so are those that would run after it
+            for m in msg.then:
+                self._finish_now(self._blank(m, work), req.finish.message, req.finish.status_code or 400)
+            return
+        self.waiting.append(req)
+        if msg.then:
+            self.held[req.uid] = [r for r in (self._checked(m, work) for m in msg.then) if r.finish is None]
+
+    def _checked(self, msg: GenerateReq, work: Work | None) -> Req:
+        """The request to queue, or refused: answered at once, its finish set."""
         try:
             problem = check_request(msg, self.vocab_size, self.context_len, self.kv.size)
             req = Req(msg, self.eos_ids, self.context_len)
@@ -42,43 +62,72 @@ class RequestIntake:
             req = self._blank(msg, None)
         if work is not None:
             req.work_token, req.attempt = work.token, work.deliveries
-        if problem is None:
-            self.waiting.append(req)
-        else:
+        if problem is not None:
             self._finish_now(req, problem)
+        return req
+
+    def _all(self) -> list[Req]:
+        return [*self.waiting, *self.running, *(r for group in self.held.values() for r in group)]
+
+    def release_held(self, req: Req) -> None:
+        """`req` ended: those held for it queue now (its prompt is in the prefix cache), or end as it
+        did when it was aborted or dropped."""
+        group = self.held.pop(req.uid, None)
+        if not group:
+            return
+        if isinstance(req.finish, Abort):
+            for r in group:
+                r.finish = req.finish
+                self.output.emit(r, [])
+        elif req.finish is not DROPPED:
+            self.waiting.extend(group)
 
     def reject(self, msg: GenerateReq, message: str, status_code: int, work: Work | None = None) -> None:
-        """Answer a request at once with an error, without running it."""
-        self._finish_now(self._blank(msg, work), message, status_code)
+        """Answer a request (and those that would run after it) at once with an error, without running it."""
+        for m in (msg, *msg.then):
+            self._finish_now(self._blank(m, work), message, status_code)
 
     def drop(self, rids: Iterable[str]) -> list[str]:
         """Release requests without a word to anyone (their output was lost on the bus, or their
-        gateway is gone); returns their work tokens, for the caller to give back or end."""
-        wanted, tokens = set(rids), []
-        for req in [r for r in self.waiting if r.rid in wanted]:
+        gateway is gone), with every request of their deliveries (an n > 1 group goes back whole);
+        returns those work tokens, once each, for the caller to give back or end."""
+        wanted = set(rids)
+        tokens = {r.work_token for r in self._all() if r.rid in wanted and r.work_token}
+        doomed = {id(r) for r in self._all() if r.rid in wanted or (r.work_token and r.work_token in tokens)}
+        for req in [r for r in self.waiting if id(r) in doomed]:
             self.waiting.remove(req)
-            tokens.append(req.work_token)
+            self.held.pop(req.uid, None)
         for req in self.running:
-            if req.rid in wanted and req.finish is None:
-                req.finish = {"type": "dropped"}  # not an abort: _release_finished sends nothing
-                tokens.append(req.work_token)
-        return [t for t in tokens if t]
+            if id(req) in doomed and req.finish is None:
+                req.finish = DROPPED  # not an abort: _release_finished sends nothing
+        for uid, group in list(self.held.items()):
+            self.held[uid] = [r for r in group if id(r) not in doomed]
+        return sorted(tokens)
 
-    def abort(self, rids: Iterable[str], finish: dict[str, Any] | None = None) -> None:
+    def abort(self, rids: Iterable[str], finish: FinishReason | None = None) -> None:
         """Abort requests (finish=None) or finish them with a reason found elsewhere (a stop string the
         detokenizer matched: it already told its client, so nothing more is sent)."""
         wanted = set(rids)
+        for group in self.held.values():
+            for req in [r for r in group if r.rid in wanted]:
+                group.remove(req)
+                if finish is None:
+                    req.finish = Abort("aborted")
+                    self.output.emit(req, [])
         for req in [r for r in self.waiting if r.rid in wanted]:
             self.waiting.remove(req)
             if finish is None:
-                req.finish = {"type": "abort", "message": "aborted"}
+                req.finish = Abort("aborted")
                 self.output.emit(req, [])
+                self.release_held(req)
+            else:
+                self.held.pop(req.uid, None)
         for req in self.running:
             if req.rid in wanted and req.finish is None:
-                req.finish = finish or {"type": "abort", "message": "aborted"}
+                req.finish = finish or Abort("aborted")
 
     def _finish_now(self, req: Req, message: str, status_code: int = 400) -> None:
-        req.finish = {"type": "abort", "message": message, "status_code": status_code}
+        req.finish = Abort(message, status_code)
         self.output.emit(req, [])
 
     def _blank(self, msg: GenerateReq, work: Work | None) -> Req:

@@ -20,11 +20,22 @@ from typing import Any
 
 from services.scheduler.constrained.grammar import GrammarSpec, Matcher
 from services.scheduler.radix_cache import TreeNode
+from shared.finish import FinishReason, Length, Stop
 from shared.grammar_text import grammar_of
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
 _uids = itertools.count()
+
+
+class Dropped:
+    """A request released without a word (its output was lost on the bus, or its gateway is gone): it
+    ends here and is never reported; the work queue may run it again."""
+
+    __slots__ = ()
+
+
+DROPPED = Dropped()
 
 
 class Req:
@@ -55,7 +66,7 @@ class Req:
         self.last_node: TreeNode | None = None
         self.row: int | None = None
         self.cached_tokens: int | None = None  # prompt tokens served by the cache at first admission
-        self.finish: dict[str, Any] | None = None
+        self.finish: FinishReason | Dropped | None = None
         self.announced = False  # the detokenizer has been told about this request
         # the work-queue delivery this run came from: the gateway acknowledges it with the token once
         # it has the output; a later delivery (its worker died) is the next attempt and starts over
@@ -104,11 +115,11 @@ class Req:
         """Called after `token` was appended to `output` (the context counts known tokens, not
         fill_len: under overlap the next token may already be in flight)."""
         if token in self.stop_ids:
-            self.finish = {"type": "stop", "matched": token}
+            self.finish = Stop(token)
         elif len(self.output) >= self.max_new_tokens:
-            self.finish = {"type": "length", "length": self.max_new_tokens}
+            self.finish = Length(self.max_new_tokens)
         elif len(self.prompt) + len(self.output) >= context_len:
-            self.finish = {"type": "length", "length": len(self.output)}
+            self.finish = Length(len(self.output))
 
 
 def check_request(msg: GenerateReq, vocab_size: int, context_len: int, pool_size: int) -> str | None:

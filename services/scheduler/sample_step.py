@@ -36,6 +36,7 @@ from services.scheduler.sampling.min_new_tokens import MinNewTokensProcessor
 from services.scheduler.sampling.penalties import PenaltyProcessor
 from services.scheduler.sampling.processors import LogitsProcessor
 from services.scheduler.sampling.sampler import SamplingInfo
+from shared.finish import Abort
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class SampleStep:
         """End a request of this step alone; the scheduler's `_release_finished` reports it and frees
         its KV."""
         message = f"internal error in {what} for this request: {type(e).__name__}: {e}"
-        req.finish = {"type": "abort", "message": message, "status_code": 500}
+        req.finish = Abort(message, 500)
         req.lp_in, req.lp_out = [], []
         self.stats["request_failures"] += 1
 

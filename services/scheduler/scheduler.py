@@ -46,6 +46,7 @@ from services.scheduler.step_inputs import StepInputs
 from services.scheduler.step_output import StepOutput
 from services.scheduler.step_timer import Marks, StepTimer
 from shared.config import EngineConfig
+from shared.finish import Abort, Length
 from shared.messages import BatchTokenOut
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Scheduler(RequestIntake):
         self.vocab_size = runner.model_config.vocab_size
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.held: dict[int, list[Req]] = {}
         self.ratio = config.new_token_ratio
         self.output = StepOutput()
         # KV slots promised to this step's requests (`_extend`), taken from the pool in one go when
@@ -165,7 +167,7 @@ class Scheduler(RequestIntake):
                 batch.append(r)
             elif n:  # a lone request that outgrew the whole pool
                 message = f"KV pool ({self.kv.size} tokens) exhausted"
-                r.finish = {"type": "abort", "message": message, "status_code": 503}
+                r.finish = Abort(message, 503)
         self.ratio = max(self.cfg.new_token_ratio, self.ratio - _RATIO_DECAY)
         if self.waiting and budget > 0:
             batch += self._admit(budget)
@@ -377,7 +379,7 @@ class Scheduler(RequestIntake):
         self.stats["generated_tokens"] += generated
         for r in st.batch:  # max_new_tokens == 0: finished once the prompt is in
             if r.finish is None and not r.pending and len(r.output) >= r.max_new_tokens and r.remaining == 0:
-                r.finish = {"type": "length", "length": len(r.output)}
+                r.finish = Length(len(r.output))
                 self.output.emit(r, [])
         for r, n in st.prefilled:
             if r.finish is None:  # share the prefix with requests that arrive meanwhile; a jump-forward
@@ -389,7 +391,7 @@ class Scheduler(RequestIntake):
     def _release_finished(self) -> None:
         if any(r.finish for r in self.running):
             for r in [r for r in self.running if r.finish]:
-                if r.finish.get("type") == "abort":
+                if isinstance(r.finish, Abort):
                     self.output.emit(r, [])
                 self.sampling.release(r)
                 known = len(r.prompt) + len(r.output)
@@ -398,6 +400,7 @@ class Scheduler(RequestIntake):
                     r.num_computed = known
                 self.tree.cache_finished(r)
                 self.running.remove(r)
+                self.release_held(r)
 
     # -- output -------------------------------------------------------------------------------
     def fail_running(self, message: str) -> BatchTokenOut | None:
@@ -408,14 +411,14 @@ class Scheduler(RequestIntake):
         self._promised, self._step_slots, self._inflight = 0, None, None
         for r in self.running:
             r.extend_len = 0
-            r.finish = r.finish or {"type": "abort", "message": message, "status_code": 500}
+            r.finish = r.finish or Abort(message, 500)
         self._release_finished()
         return self.take_output()
 
     def known_rids(self, rids: Iterable[str]) -> list[str]:
         """Which of these requests this scheduler is waiting on or running."""
         wanted = set(rids)
-        return [r.rid for r in (*self.waiting, *self.running) if r.rid in wanted]
+        return [r.rid for r in self._all() if r.rid in wanted]
 
     # -- maintenance --------------------------------------------------------------------------
     def flush_cache(self) -> bool:

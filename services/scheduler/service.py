@@ -195,7 +195,7 @@ class SchedulerService:
         on. When the step thread is dead this stops, and the deliveries go to another scheduler."""
         while True:
             await asyncio.sleep(self.cfg.request_ack_wait / 3)
-            tokens = await self.call(lambda s: [r.work_token for r in (*s.waiting, *s.running)])
+            tokens = await self.call(lambda s: {r.work_token for r in (*s.waiting, *s.running)})
             for token in tokens:
                 await self.transport.settle_work(token, PROGRESS)
 

@@ -21,7 +21,6 @@ class StepOutput:
                 NewReqInfo(
                     rid=req.rid,
                     out_subject=req.out_subject,
-                    prompt_tokens=len(req.prompt),
                     stop=s.stop,
                     stop_regex=s.stop_regex,
                     skip_special_tokens=s.skip_special_tokens,

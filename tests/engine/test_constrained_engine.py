@@ -12,6 +12,7 @@ import time
 import pytest
 from bus_probe import BusProbe
 
+from shared.finish import as_dict
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
@@ -52,7 +53,7 @@ def test_a_bad_grammar_is_a_400_and_ends_only_its_request(engine):
         good = engine.generate("y", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
         out = probe.final()
     assert good["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
-    reason = out.meta["finish_reason"]
+    reason = as_dict(out.finish)
     assert reason["type"] == "abort" and reason["status_code"] == 400 and out.output_ids == []
     assert "sampling_params.ebnf" in reason["message"] and "missing" in reason["message"]
 

@@ -9,6 +9,7 @@ import math
 import pytest
 from bus_probe import BusProbe
 
+from shared.finish import as_dict
 from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
@@ -53,7 +54,7 @@ def test_a_nan_temperature_straight_off_the_bus_is_refused_alone(engine, alone):
         assert engine.generate(PROMPT, GREEDY)["output_ids"] == alone
         out = probe.final(timeout=30)
     assert out.rid == "nan-temp" and out.finished and out.output_ids == []
-    reason = out.meta["finish_reason"]
+    reason = as_dict(out.finish)
     assert reason["type"] == "abort" and reason["status_code"] == 400
     assert "sampling_params.temperature = nan" in reason["message"]
 

@@ -281,7 +281,7 @@ def test_scheduler_refuses_bad_logprob_requests_that_skip_the_gateway(engine):
         return s.take_output()
 
     out = engine._on_scheduler(add_and_take)
-    assert out.rids == ["raw-bad"] and out.finish_reasons[0]["status_code"] == 400
-    assert "token_ids" in out.finish_reasons[0]["message"]
+    assert out.rids == ["raw-bad"] and out.finish_reasons[0].status_code == 400
+    assert "token_ids" in out.finish_reasons[0].message
     good = engine.generate(text="still fine", sampling_params=GREEDY, **ask())
     assert len(good["meta_info"]["output_token_logprobs"]) == NEW

@@ -336,9 +336,9 @@ NOISE = [b"[]", b'"x"', b"{}", b"null", b'{"service": 5}', b'{"service": "gatewa
     for m in [
         {"rids": "x"}, {"rids": ["nobody"], "restart": True}, {"rids": ["nobody"], "finish": {"type": 5}},
         {"outs": [{"rid": 5}]},
-        {"outs": [{"rid": "nobody", "text": "x", "output_ids": [1], "finished": True}]},
+        {"outs": [{"rid": "nobody", "text": "x", "output_ids": [1], "finish": {"type": "stop"}}]},
         {"rids": ["nobody"], "token_ids": [[1]], "offsets": [0], "finish_reasons": [None]},
-        {"new_reqs": [{"rid": "nobody", "out_subject": ">", "prompt_tokens": -1}], "rids": ["nobody"],
+        {"new_reqs": [{"rid": "nobody", "out_subject": ">", "attempt": -1}], "rids": ["nobody"],
          "token_ids": [[2**63 - 1]], "cached_tokens": [0], "offsets": [5],
          "finish_reasons": [{"type": "stop"}]},
     ]

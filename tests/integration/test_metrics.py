@@ -194,6 +194,19 @@ def test_flush_cache_reaches_every_worker(server, second_worker, client):
     wait_for(emptied, "both prefix caches empty on the heartbeats")
 
 
+def test_the_samples_of_n_go_to_the_worker_that_prefilled_their_prompt(server, second_worker, client):
+    """n > 1: the prompt's prefill and its samples are one delivery, so with two workers every sample
+    still finds the whole prompt (but the token it recomputes for its logits) in its prefix cache."""
+    tag = uuid.uuid4().hex
+    for i in range(3):
+        body = {"text": f"Samples {tag} {i}: once upon a time", "sampling_params": {**greedy(2), "n": 4}}
+        outs = generate(client, body)
+        assert len(outs) == 4
+        for out in outs:
+            meta = out["meta_info"]
+            assert meta["cached_tokens"] >= meta["prompt_tokens"] - 1, meta
+
+
 def test_a_stopped_worker_leaves_the_fan_out_at_once(server, second_worker, client):
     """(last in the module) A worker stopped with SIGTERM says goodbye on its way out: its series go
     and /get_server_info neither waits for it nor reports it missing, well before its heartbeat would

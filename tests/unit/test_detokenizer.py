@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.detokenizer.detokenizer import Detokenizer
+from shared.finish import Abort, Length, Stop
 from shared.messages import AbortReq, BatchTokenOut, NewReqInfo
 
 
@@ -15,7 +16,7 @@ class Letters:
 
 
 def info(rid: str, attempt: int = 1, token: str = "") -> NewReqInfo:
-    return NewReqInfo(rid=rid, out_subject="gw", prompt_tokens=3, attempt=attempt, work_token=token)
+    return NewReqInfo(rid=rid, out_subject="gw", attempt=attempt, work_token=token)
 
 
 def step(rid: str, tokens: list[int], offset: int, finish=None, announce: NewReqInfo | None = None):
@@ -31,7 +32,7 @@ def test_final_output_carries_the_work_token_and_attempt():
     d = Detokenizer(Letters())
     outs, stopped = d.step(step("r", [0, 1], 0, announce=info("r", 2, "tok")))
     assert texts(outs) == [("ab", 2, False)] and not stopped
-    outs, _ = d.step(step("r", [2], 2, {"type": "length", "length": 3}))
+    outs, _ = d.step(step("r", [2], 2, Length(3)))
     (out,) = outs["gw"].outs
     assert out.finished and out.work_token == "tok" and out.text == "c" and out.attempt == 2
 
@@ -59,8 +60,8 @@ def test_a_new_announcement_replaces_the_state_of_its_rid():
     """Each run of a request is announced once, after the outputs of earlier runs: a client may reuse
     the rid of a finished request, and it is a new request."""
     d = Detokenizer(Letters())
-    d.step(step("r", [0], 0, {"type": "length", "length": 1}, announce=info("r")))
-    outs, stopped = d.step(step("r", [1, 2], 0, {"type": "length", "length": 2}, announce=info("r")))
+    d.step(step("r", [0], 0, Length(1), announce=info("r")))
+    outs, stopped = d.step(step("r", [1, 2], 0, Length(2), announce=info("r")))
     assert texts(outs) == [("bc", 1, True)] and not stopped
 
 
@@ -74,9 +75,9 @@ def test_a_malformed_step_is_refused_whole():
 def test_a_finished_request_can_come_back_as_a_new_attempt():
     """Its final output was lost before the gateway had it: the work queue delivers it again."""
     d = Detokenizer(Letters())
-    d.step(step("r", [0], 0, {"type": "length", "length": 1}, announce=info("r")))
+    d.step(step("r", [0], 0, Length(1), announce=info("r")))
     assert d.step(step("r", [1], 1)) == ({}, [])  # after the end: ignored, nothing to restart
-    outs, _ = d.step(step("r", [0], 0, {"type": "length", "length": 1}, announce=info("r", 2)))
+    outs, _ = d.step(step("r", [0], 0, Length(1), announce=info("r", 2)))
     assert texts(outs) == [("a", 2, True)]
 
 
@@ -92,8 +93,8 @@ def test_a_detokenization_failure_ends_that_request_alone():
                           cached_tokens=[0, 0], offsets=[0, 0], finish_reasons=[None, None])  # fmt: skip
     outs, stopped = d.step(batch)
     bad, good = outs["gw"].outs
-    assert bad.finished and bad.meta["finish_reason"]["status_code"] == 500
-    assert "bad id" in bad.meta["finish_reason"]["message"]
+    assert isinstance(bad.finish, Abort) and bad.finish.status_code == 500
+    assert "bad id" in bad.finish.message
     assert good.text == "a" and not good.finished
     assert stopped == [AbortReq(rids=["bad"])]
 
@@ -113,10 +114,10 @@ def test_a_lower_offset_replaces_ids_and_keeps_the_text():
     outs, stopped = d.step(step("r", [27, 3], 1))  # from offset 1: "bc" "d"
     (out,) = outs["gw"].outs
     assert (out.text, out.output_ids, out.offset) == ("cd", [27, 3], 1) and not stopped
-    outs, _ = d.step(step("r", [4], 3, {"type": "length", "length": 4}))
+    outs, _ = d.step(step("r", [4], 3, Length(4)))
     (out,) = outs["gw"].outs
     assert (out.text, out.output_ids, out.offset) == ("e", [4], 3)
-    assert out.finished and out.meta["completion_tokens"] == 4
+    assert out.finished and out.offset + len(out.output_ids) == 4
 
 
 def test_stop_regex_ends_the_request_and_cuts_its_match():
@@ -125,5 +126,5 @@ def test_stop_regex_ends_the_request_and_cuts_its_match():
     d._states["r"].info.stop_regex = [r"c+d"]
     outs, stopped = d.step(step("r", [3], 3))  # "abcd": the match began in text already sent
     (out,) = outs["gw"].outs
-    assert stopped == [AbortReq(rids=["r"], finish={"type": "stop", "matched": "cd"})]
+    assert stopped == [AbortReq(rids=["r"], finish=Stop("cd"))]
     assert out.finished and (out.text, out.text_offset) == ("", 2)  # the gateway cuts "c"

@@ -3,6 +3,7 @@ requests, each request's NewReqInfo with it, nothing lost or reordered."""
 
 from __future__ import annotations
 
+from shared.finish import Length
 from shared.messages import (
     BatchTextOut,
     BatchTokenOut,
@@ -17,11 +18,11 @@ from shared.messages import (
 
 def token_out(with_logprobs: bool) -> BatchTokenOut:
     rids = [f"r{i}" for i in range(5)]
-    infos = [NewReqInfo(rid=r, out_subject="g", prompt_tokens=3) for r in ("r1", "r3")]
+    infos = [NewReqInfo(rid=r, out_subject="g") for r in ("r1", "r3")]
     lps = [LogprobOut(input_token=bytes(3000)) if i % 2 else None for i in range(5)]
     return BatchTokenOut(
         new_reqs=infos, rids=rids, token_ids=[[i] for i in range(5)], cached_tokens=[0] * 5,
-        offsets=list(range(5)), finish_reasons=[None, {"type": "length", "length": 1}, None, None, None],
+        offsets=list(range(5)), finish_reasons=[None, Length(1), None, None, None],
         logprobs=lps if with_logprobs else [],
     )  # fmt: skip
 

@@ -1,17 +1,24 @@
-"""OpenAI request bodies to `/generate` bodies and SGLang results to OpenAI's shapes, without a server:
-every field checked under OpenAI's name, tool plans and their parsing, stream deltas, logprob shapes."""
+"""OpenAI request bodies to `/generate` bodies and the gateway's request states and deltas to OpenAI's
+shapes, without a server: every field checked under OpenAI's name, tool plans and their parsing, stream
+deltas, logprob shapes."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from services.gateway.generate_input import parse_generate_input
+from services.gateway.logprob_meta import LogprobAccumulator
+from services.gateway.logprob_options import LogprobOptions
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_requests import parse_chat, parse_completion
 from services.gateway.openai_responses import StreamShaper, chat_response, completion_response
 from services.gateway.openai_tools import plan_tools
+from services.gateway.request_state import RequestState
+from services.scheduler.logprobs import Rows, pack
+from shared.finish import Length, Stop
 
 MODELS = ("served", "/path/to/model", "default")
 FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -21,17 +28,28 @@ def render(messages):
     return [len(m["content"]) for m in messages]  # a stand-in template: one id per message
 
 
-def result(text, n_tokens=2, finish=None, lp=False):
-    meta = {
-        "prompt_tokens": 3,
-        "completion_tokens": n_tokens,
-        "cached_tokens": 1,
-        "finish_reason": finish or {"type": "length", "length": n_tokens},
-    }
+PROMPT = [1, 2]
+_NO_IDS = np.zeros((2, 0), np.float32)
+TWO_TOKENS = Length(2)
+
+
+def result(text, n_tokens=2, finish=TWO_TOKENS, lp=False, echo=False) -> RequestState:
+    """A request state as the gateway holds it: prompt ids 1, 2 ("a", "b"); output ids 7, 8,
+    whose texts are text[:1] and text[1:]; with lp, their logprobs -0.5 and -1.5 and the top 2 of each
+    (the other being id 9, "z"); with echo, the prompt's too."""
+    names = {1: "a", 2: "b", 7: text[:1], 8: text[1:], 9: "z"}
+    st = RequestState("r", len(PROMPT), 0.0, text=text, output_ids=[7, 8][:n_tokens], finish=finish,
+                      cached_tokens=1)  # fmt: skip
     if lp:
-        meta["output_token_logprobs"] = [[-0.5, 7, text[:1]], [-1.5, 8, text[1:]]]
-        meta["output_top_logprobs"] = [[[-0.5, 7, text[:1]], [-2.0, 9, "z"]], [[-1.5, 8, text[1:]]]]
-    return {"text": text, "output_ids": [7, 8][:n_tokens], "meta_info": meta}
+        opts = LogprobOptions(start_len=0 if echo else -1, top_k=2, token_ids=None, text=True, flat=False,
+                              flat_b64=False, output_b64=False)  # fmt: skip
+        st.logprobs = LogprobAccumulator(opts, PROMPT, lambda ids: [names[i] for i in ids])
+        out = Rows(np.array([-0.5, -1.5], np.float32), np.array([[-0.5, -2.0], [-1.5, -2.5]], np.float32),
+                   np.array([[7, 9], [8, 9]], np.int32), _NO_IDS)  # fmt: skip
+        inp = Rows(np.array([-0.125], np.float32), np.array([[-0.125, -3.0]], np.float32),
+                   np.array([[2, 9]], np.int32), _NO_IDS[:1])  # fmt: skip
+        st.logprobs.add(pack([inp] if echo else [], [out]))
+    return st
 
 
 def test_a_completion_becomes_a_generate_body():
@@ -144,17 +162,15 @@ def test_tool_plans_and_their_answers():
 
 def test_completion_and_chat_responses():
     req = parse_completion({"prompt": "ab", "n": 2, "logprobs": 1, "echo": False}, MODELS)
-    out = completion_response(
-        req, [result("xy", lp=True), result("uv", finish={"type": "stop", "matched": 2})], ["ab"], 0
-    )
+    out = completion_response(req, [result("xy", lp=True), result("uv", finish=Stop(2))], ["ab"], 0)
     assert [c["finish_reason"] for c in out["choices"]] == ["length", "stop"]
     lp = out["choices"][0]["logprobs"]
     assert lp["tokens"] == ["x", "y"] and lp["token_logprobs"] == [-0.5, -1.5] and lp["text_offset"] == [0, 1]
     assert lp["top_logprobs"][0] == {"x": -0.5, "z": -2.0}
     assert out["usage"] == {
-        "prompt_tokens": 3,
+        "prompt_tokens": 2,
         "completion_tokens": 4,
-        "total_tokens": 7,
+        "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 1},
     }
     chat = parse_chat({"messages": [{"role": "user", "content": "q"}], "logprobs": True}, MODELS, render)
@@ -174,14 +190,15 @@ def test_completion_and_chat_responses():
 def test_stream_chunks_pass_the_deltas_on():
     req = parse_chat({"messages": [{"role": "user", "content": "q"}], "stream": True}, MODELS, render)
     shaper = StreamShaper(req, [])
-    partial = result("He", finish=None)
-    partial["meta_info"]["finish_reason"] = None
-    first = shaper.chunks(partial)
+    st = result("He", n_tokens=1, finish=None)
+    first = shaper.chunks(st.delta())
     assert [c["choices"][0]["delta"] for c in first] == [
         {"role": "assistant", "content": ""},
         {"content": "He"},
     ]
-    (last,) = shaper.chunks(result("llo", finish={"type": "stop", "matched": 2}))
+    st.text, st.finish = "Hello", Stop(2)
+    st.output_ids.append(8)
+    (last,) = shaper.chunks(st.delta())
     assert last["choices"][0]["delta"] == {"content": "llo"} and last["choices"][0]["finish_reason"] == "stop"
     assert shaper.usage_chunk()["usage"]["completion_tokens"] == 2
 
@@ -189,14 +206,8 @@ def test_stream_chunks_pass_the_deltas_on():
 def test_streamed_completion_logprobs_follow_the_text_offsets_after_an_echo():
     req = parse_completion({"prompt": "ab", "stream": True, "echo": True, "logprobs": 1}, MODELS)
     shaper = StreamShaper(req, ["ab"])
-    first = result("xy", finish=None, lp=True)
-    first["meta_info"].update(
-        finish_reason=None,
-        input_token_logprobs=[[None, 1, "a"], [-0.1, 2, "b"]],
-        input_top_logprobs=[None, [[-0.1, 2, "b"]]],
-    )
-    echo, xy = shaper.chunks(first)
+    echo, xy = shaper.chunks(result("xy", finish=None, lp=True, echo=True).delta())
     assert echo["choices"][0]["text"] == "ab" and echo["choices"][0]["logprobs"]["tokens"] == ["a", "b"]
-    assert echo["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.1]
+    assert echo["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.125]
     lp = xy["choices"][0]["logprobs"]
     assert xy["choices"][0]["text"] == "xy" and lp["tokens"] == ["x", "y"] and lp["text_offset"] == [2, 3]

@@ -19,6 +19,7 @@ from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.sampling.sampler import sample
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
+from shared.finish import as_dict
 from shared.messages import GenerateReq, LogprobReq
 from shared.sampling_params import SamplingParams
 
@@ -79,7 +80,7 @@ def run(sched: Scheduler, max_steps: int = 500) -> dict[str, dict]:
         for rid, toks, fin in zip(out.rids, out.token_ids, out.finish_reasons, strict=True):
             entry = got.setdefault(rid, {"tokens": [], "finish": None})
             entry["tokens"] += toks
-            entry["finish"] = fin or entry["finish"]
+            entry["finish"] = as_dict(fin) or entry["finish"]  # as /generate shows it
 
     if (out := sched.take_output()) is not None:
         collect(out)
@@ -275,3 +276,63 @@ def test_batch_statistics_are_logged_like_sglang(monkeypatch, caplog, overlap):
     # admitted while the prefill that caches it is still in flight)
     hits = 9 if overlap else 10
     assert last.startswith(f"Prefill batch. #new-seq: 10, #new-token: {20 - hits}, #cached-token: {hits},")
+
+
+def group(lead: str, members: list[str], prompt: list[int], token: str = "tok", **params) -> GenerateReq:
+    """An n > 1 group as the gateway sends it: a prefill (max_new_tokens=0), its samples after it."""
+    head = msg(lead, prompt, max_new_tokens=0, **params)
+    head.then = [msg(rid, prompt, **params) for rid in members]
+    return head
+
+
+def test_a_group_runs_its_members_after_the_lead_on_its_cached_prompt():
+    sched = make()
+    prompt = list(range(3, 20))
+    sched.add_request(group("warm", ["s0", "s1"], prompt), SimpleNamespace(token="tok", deliveries=1))
+    assert [r.rid for r in sched.waiting] == ["warm"] and sched.known_rids(["s0", "s1"]) == ["s0", "s1"]
+    order, cached = [], {}
+    for _ in range(50):
+        if not sched.has_work:
+            break
+        out = sched.step()
+        for rid, toks, fin, c in zip(out.rids, out.token_ids, out.finish_reasons, out.cached_tokens,
+                                     strict=True) if out else ():  # fmt: skip
+            order += [rid] * (len(toks) or fin is not None)
+            cached[rid] = c
+    assert order.index("warm") < min(order.index("s0"), order.index("s1"))
+    assert order.count("s0") == order.count("s1") == 4
+    assert cached["s0"] >= 16 and cached["s1"] >= 16  # the lead's prompt, from the prefix cache
+    sched.check_integrity()
+
+
+def test_a_refused_or_aborted_lead_ends_its_members_with_it():
+    sched = make()
+    sched.add_request(group("bad", ["b0", "b1"], [5, V]))  # an id outside the vocabulary
+    got = run(sched)
+    assert {rid: got[rid]["finish"]["status_code"] for rid in ("bad", "b0", "b1")} == dict.fromkeys(
+        ("bad", "b0", "b1"), 400
+    )
+    sched.add_request(group("warm", ["s0", "s1"], [5, 6, 7]))
+    sched.abort(["warm"])
+    got = run(sched)
+    assert all(got[rid]["finish"] == {"type": "abort", "message": "aborted"} for rid in ("warm", "s0", "s1"))
+    assert not sched.held
+
+
+def test_a_member_aborted_while_held_ends_alone():
+    sched = make()
+    sched.add_request(group("warm", ["s0", "s1"], [5, 6, 7]))
+    sched.abort(["s0"])
+    got = run(sched)
+    assert got["s0"]["finish"]["type"] == "abort" and got["s0"]["tokens"] == []
+    assert got["s1"]["tokens"] == expected([5, 6, 7])
+
+
+def test_dropping_a_member_drops_its_whole_delivery_once():
+    sched = make()
+    sched.add_request(group("warm", ["s0", "s1"], [5, 6, 7]), SimpleNamespace(token="tok", deliveries=1))
+    sched.add_request(msg("other", [5, 6]), SimpleNamespace(token="other-tok", deliveries=1))
+    assert sched.drop(["s1"]) == ["tok"]
+    assert sched.known_rids(["warm", "s0", "s1", "other"]) == ["other"]
+    got = run(sched)
+    assert set(got) == {"other"}

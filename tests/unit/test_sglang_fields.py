@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from services.gateway import sglang_shape
 from services.gateway.generate_input import NOT_YET, SUPPORTED, parse_generate_input
 from services.gateway.request_state import RequestState
 from shared.sampling_params import SamplingParams
@@ -149,7 +150,7 @@ def test_return_prompt_token_ids_puts_the_prompt_in_every_response():
         .return_prompt_ids
     )
     st = RequestState("r", 3, time.time(), prompt_ids=[5, 6, 7])
-    assert st.response()["prompt_token_ids"] == [5, 6, 7]
-    assert "prompt_token_ids" not in RequestState("r", 3, time.time()).response()
+    assert sglang_shape.response(st)["prompt_token_ids"] == [5, 6, 7]
+    assert "prompt_token_ids" not in sglang_shape.response(RequestState("r", 3, time.time()))
     with pytest.raises(ValueError, match="return_prompt_token_ids must be true or false"):
         parse_generate_input({"text": "hi", "return_prompt_token_ids": 1})

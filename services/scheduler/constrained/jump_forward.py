@@ -22,6 +22,7 @@ import logging
 from services.scheduler.constrained.grammar import GrammarError, Retokenizer
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.request import Req
+from shared.finish import Abort, Stop
 
 log = logging.getLogger(__name__)
 RETOKENIZE_TAIL = 4  # output tokens before a forced continuation that retokenization may merge with it
@@ -66,7 +67,7 @@ class GrammarDecode:
             return self._abort(r, f"internal error in constrained decoding: {type(e).__name__}: {e}")
 
     def _abort(self, r: Req, message: str) -> None:
-        r.finish = {"type": "abort", "message": message, "status_code": 500}
+        r.finish = Abort(message, 500)
         self.stats["request_failures"] += 1
 
     def _end_if_done(self, r: Req) -> None:
@@ -74,7 +75,7 @@ class GrammarDecode:
         which has nothing else to sample)."""
         if r.finish is None and r.matcher is not None and r.matcher.done and len(r.output) < r.max_new_tokens:
             r.output.append(self.eos)
-            r.finish = {"type": "stop", "matched": self.eos}
+            r.finish = Stop(self.eos)
 
     def _jump(self, r: Req, retokenizer: Retokenizer) -> int:
         """Append r's forced continuation, if any; returns the output index from which r's tokens are
