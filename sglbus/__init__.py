@@ -1,14 +1,26 @@
-"""sglbus: SGLang's feature set as asyncio services over NATS. `sglbus.Engine` runs it offline."""
+"""sglbus: SGLang's feature set as asyncio services over NATS. `sglbus.Engine` runs it offline;
+`import sglbus as sgl` is also the frontend language (`sgl.function`, `sgl.gen`, ..., see sglbus.lang)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "__version__"]
+
+# the frontend language's public names, loaded on first use (sglbus.lang needs no torch either)
+_LANG = (
+    "Backend", "ChatTemplate", "ChoiceDecision", "ChoiceMethod", "EngineBackend", "ForkGroup", "Function",
+    "ProgramState", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end", "flush_cache",
+    "function", "gen", "gen_int", "gen_string", "get_chat_template", "get_default_backend",
+    "get_server_info", "greedy_token_selection", "image", "select", "set_default_backend", "system",
+    "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
+    "user_begin", "user_end", "video",
+)  # fmt: skip
+__all__ = ["Engine", "__version__", *_LANG]
 
 if TYPE_CHECKING:
     from sglbus.engine import Engine
+    from sglbus.lang import *  # noqa: F403
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from sglbus.engine import Engine
 
         return Engine
-    raise AttributeError(name)
+    if name in _LANG:
+        import sglbus.lang
+
+        return getattr(sglbus.lang, name)
+    raise AttributeError(f"module 'sglbus' has no attribute {name!r}")

@@ -1,0 +1,166 @@
+"""The language's primitives: what a program appends to its state (`s += sgl.gen(...)`)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from sglbus.lang import ir
+from sglbus.lang.backends.base import resolve_backend
+from sglbus.lang.choices import ChoiceMethod, token_length_normalized
+from sglbus.lang.function import Function
+from sglbus.lang.params import checked
+
+_GEN_PARAMS = ("name", "max_tokens", "min_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature",
+               "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos",
+               "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+               "dtype", "choices", "choices_method", "regex", "json_schema")  # fmt: skip
+
+_OWN_CONSTRAINT = ("dtype", "regex", "json_schema", "choices", "choices_method")
+
+
+def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | None = None) -> Any:
+    """`@sgl.function` or `@sgl.function(num_api_spec_tokens=...)`: the function becomes a program."""
+    if func is not None:
+        return Function(func, num_api_spec_tokens)
+    return lambda f: Function(f, num_api_spec_tokens)
+
+
+def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,
+        n: int | None = None, stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None, temperature: float | None = None,
+        top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+        frequency_penalty: float | None = None, presence_penalty: float | None = None,
+        ignore_eos: bool | None = None, return_logprob: bool | None = None,
+        logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None, dtype: type | str | None = None,
+        choices: list[str] | None = None, choices_method: ChoiceMethod | None = None,
+        regex: str | None = None, json_schema: Any = None, **unknown: Any) -> ir.Expr:  # fmt: skip
+    """The model's continuation, stored as s[name]. Unset parameters come from run()'s defaults.
+    With choices it is `select`; dtype (int, float, bool, str), regex and json_schema constrain it."""
+    _no_unknown("gen", unknown, _GEN_PARAMS)
+    if choices is not None:
+        return select(name, choices, 0.0 if temperature is None else temperature,
+                      choices_method or token_length_normalized)  # fmt: skip
+    if choices_method is not None:
+        raise ValueError("gen: choices_method needs choices")
+    return _gen("gen", name, max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
+                stop_token_ids=stop_token_ids, stop_regex=stop_regex, temperature=temperature, top_p=top_p,
+                top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex,
+                json_schema=json_schema)  # fmt: skip
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:
+    """gen constrained to an integer (and stopped at the space or newline after it)."""
+    _no_unknown("gen_int", {k: v for k, v in kwargs.items() if k in _OWN_CONSTRAINT}, ())
+    return gen(name, max_tokens, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:
+    """gen constrained to a double-quoted string of word characters and spaces."""
+    _no_unknown("gen_string", {k: v for k, v in kwargs.items() if k in _OWN_CONSTRAINT}, ())
+    return gen(name, max_tokens, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method: ChoiceMethod = token_length_normalized) -> ir.Expr:  # fmt: skip
+    """One of choices, picked from the logprobs of every `prompt + choice` (scored, not sampled),
+    stored as s[name] and appended to the text."""
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise ValueError(f"select: choices must be a non-empty list of strings, got {choices!r}")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"select: every choice must be a non-empty string, got {list(choices)!r}")
+    if temperature != 0:
+        raise ValueError(
+            f"select: temperature must be 0 (choices are scored, not sampled), got {temperature!r}"
+        )
+    if not isinstance(choices_method, ChoiceMethod):
+        raise ValueError(
+            f"select: choices_method must be sgl.token_length_normalized, sgl.greedy_token_selection or "
+            f"sgl.unconditional_likelihood_normalized (or another ChoiceMethod), got {choices_method!r}"
+        )
+    return ir.Select(name, list(choices), choices_method)
+
+
+def image(path: Any) -> ir.Expr:
+    """An image in the prompt (a path, a URL or bytes). Only a multimodal model can take it; the
+    runtime refuses it for a text-only one."""
+    return ir.Image(path)
+
+
+def video(path: Any, num_frames: int) -> ir.Expr:
+    """A video in the prompt, sampled to num_frames frames (multimodal models only, like image)."""
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
+        raise ValueError(f"video: num_frames must be an integer >= 1, got {num_frames!r}")
+    return ir.Video(path, num_frames)
+
+
+def _role(role: str, expr: Any = None) -> ir.Expr:
+    inner = [] if expr is None else ir.leaves(expr)
+    return ir.ExprList([ir.RoleBegin(role), *inner, ir.RoleEnd(role)])
+
+
+def system(expr: Any = None) -> ir.Expr:
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> ir.Expr:
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> ir.Expr:
+    return _role("assistant", expr)
+
+
+def system_begin() -> ir.Expr:
+    return ir.RoleBegin("system")
+
+
+def system_end() -> ir.Expr:
+    return ir.RoleEnd("system")
+
+
+def user_begin() -> ir.Expr:
+    return ir.RoleBegin("user")
+
+
+def user_end() -> ir.Expr:
+    return ir.RoleEnd("user")
+
+
+def assistant_begin() -> ir.Expr:
+    return ir.RoleBegin("assistant")
+
+
+def assistant_end() -> ir.Expr:
+    return ir.RoleEnd("assistant")
+
+
+def flush_cache(backend: Any = None) -> bool:
+    """Empty the runtime's prefix cache (the default backend's without an argument)."""
+    return resolve_backend(backend).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any]:
+    return resolve_backend(backend).get_server_info()
+
+
+def _gen(where: str, name: str | None, **values: Any) -> ir.Gen:
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{where}: name must be a string, got {name!r}")
+    return ir.Gen(name, checked(where, **values))
+
+
+def _no_unknown(where: str, unknown: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    if not unknown:
+        return
+    bad = next(iter(unknown))
+    if not allowed:
+        raise TypeError(f"{where}: {bad!r} cannot be set here (the function sets its own constraint)")
+    close = difflib.get_close_matches(bad, allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise TypeError(f"{where}: unknown parameter {bad!r} (parameters: {', '.join(allowed)}){hint}")

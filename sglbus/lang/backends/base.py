@@ -1,0 +1,96 @@
+"""The backend interface: every model call the interpreter makes, in plain data.
+
+Prompts are strings and results are `(text, meta_info)`, so a backend can be our server over HTTP,
+the in-process Engine, an OpenAI-compatible API or the NATS bus; the interpreter does not know
+which. Backends that speak the native `/generate` request format share `NativeBackend`.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from sglbus.lang.chat import ChatTemplate
+from sglbus.lang.choices import ChoiceDecision, ChoiceMethod
+from sglbus.lang.params import SamplingParams
+
+
+class Backend(ABC):
+    # API speculative execution (`@sgl.function(num_api_spec_tokens=...)`) is for chat-only APIs
+    supports_api_speculative_execution = False
+
+    @abstractmethod
+    def generate(self, prompt: str, params: SamplingParams) -> tuple[str | list[str], Any]:
+        """The continuation of prompt and the runtime's meta_info (lists of both when n > 1)."""
+
+    @abstractmethod
+    def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[tuple[str, Any]]:
+        """The continuation as (new text, meta_info so far) pieces."""
+
+    @abstractmethod
+    def select(self, prompt: str, choices: list[str], method: ChoiceMethod) -> ChoiceDecision:
+        """Which choice continues prompt best, by method, with the scores in meta_info."""
+
+    @abstractmethod
+    def get_chat_template(self) -> ChatTemplate: ...
+
+    @abstractmethod
+    def get_model_info(self) -> dict[str, Any]:
+        """At least model_path and has_image_understanding."""
+
+    def cache_prefix(self, prefix: str) -> None:  # noqa: B027 (a hint: doing nothing is a valid answer)
+        """A hint that several calls will start with prefix (before a fork, before a batch). A backend
+        without a prefix cache has nothing to do with it."""
+
+    def flush_cache(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} has no cache to flush")
+
+    def get_server_info(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} has no server info")
+
+    def check_media(self, kind: str, source: Any) -> None:
+        """Raise unless the model can take an image / a video."""
+        info = self.get_model_info()
+        if not info.get("has_image_understanding"):
+            raise ValueError(
+                f"{kind}: the model {info.get('model_path')!r} is a text-only model "
+                f"(has_image_understanding is false); {kind}s need a multimodal model"
+            )
+        raise ValueError(f"{kind}: {type(self).__name__} cannot send {kind}s to the model yet")
+
+
+_default: list[Backend | None] = [None]
+_engine_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
+
+
+def set_default_backend(backend: Any) -> None:
+    """The backend programs use when run() is given none: a Backend, or an `sglbus.Engine`."""
+    _default[0] = resolve_backend(backend)
+
+
+def get_default_backend() -> Backend | None:
+    return _default[0]
+
+
+def resolve_backend(backend: Any) -> Backend:
+    """backend as a Backend: itself, an Engine wrapped, or the default one."""
+    if backend is None:
+        if _default[0] is None:
+            raise ValueError("no backend: pass backend=... or call sgl.set_default_backend(...) first")
+        return _default[0]
+    if isinstance(backend, Backend):
+        return backend
+    engine_module = sys.modules.get("sglbus.engine")  # only loaded (with torch) if an Engine exists
+    if engine_module is not None and isinstance(backend, engine_module.Engine):
+        from sglbus.lang.backends.engine import EngineBackend
+
+        if backend not in _engine_backends:  # one wrapper per engine: its chat template is derived once
+            _engine_backends[backend] = EngineBackend(backend)
+        return _engine_backends[backend]
+    raise TypeError(
+        f"a backend must be sgl.RuntimeEndpoint(url), sgl.Engine(...) or another sglbus.lang Backend, "
+        f"got {type(backend).__name__}"
+    )

@@ -1,0 +1,110 @@
+"""What backends speaking the native `/generate` request format share: the request each call sends
+and how `select` scores choices (the facts of SGLang's frontend, so both give the same results).
+
+A subclass only moves request dicts: `_request` (one response, or a list for a batch) and
+`_request_stream` (the cumulative chunks of a streamed response).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from sglbus.lang.backends.base import Backend
+from sglbus.lang.choices import ChoiceDecision, ChoiceMethod, mean_logprob, trim_prompt_token
+from sglbus.lang.params import DTYPE_REGEX, DTYPE_STOPS, SamplingParams
+
+_SAMPLING = ("max_new_tokens", "min_new_tokens", "n", "stop_token_ids", "stop_regex", "temperature", "top_p",
+             "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "regex",
+             "json_schema")  # fmt: skip
+_LOGPROBS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+
+
+def generate_request(prompt: str, params: SamplingParams, stream: bool = False) -> dict[str, Any]:
+    """The `/generate` body of one gen: dtype becomes its regex (numbers also stop at a space or a
+    newline); empty lists and unset values are left out."""
+    sampling: dict[str, Any] = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
+    for name in _SAMPLING:
+        value = getattr(params, name)
+        if value is not None and value != []:
+            sampling[name] = value
+    stop = params.stops()
+    if params.dtype is not None:
+        sampling["regex"] = DTYPE_REGEX[params.dtype]
+        stop += [s for s in DTYPE_STOPS.get(params.dtype, ()) if s not in stop]
+    if stop:
+        sampling["stop"] = stop
+    body: dict[str, Any] = {"text": prompt, "sampling_params": sampling}
+    body.update({k: v for k in _LOGPROBS if (v := getattr(params, k)) is not None})
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def check_response(response: dict[str, Any]) -> dict[str, Any]:
+    """The response, or RuntimeError when the runtime aborted the request."""
+    reason = (response.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        raise RuntimeError(f"the runtime aborted the request: {reason.get('message', reason)}")
+    return response
+
+
+class NativeBackend(Backend):
+    @abstractmethod
+    def _request(self, body: dict[str, Any]) -> Any:
+        """POST /generate semantics: a response dict, or a list of them for a batch."""
+
+    @abstractmethod
+    def _request_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The cumulative response chunks of a streamed /generate."""
+
+    def generate(self, prompt: str, params: SamplingParams) -> tuple[str | list[str], Any]:
+        out = self._request(generate_request(prompt, params))
+        if isinstance(out, list):  # n > 1
+            out = [check_response(r) for r in out]
+            return [r["text"] for r in out], [r["meta_info"] for r in out]
+        check_response(out)
+        return out["text"], out["meta_info"]
+
+    def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[tuple[str, Any]]:
+        if params.n not in (None, 1):
+            raise ValueError("gen: n > 1 cannot be streamed; run without stream=True")
+        pos = 0
+        for chunk in self._request_stream(generate_request(prompt, params, stream=True)):
+            check_response(chunk)
+            text = chunk["text"]
+            yield text[pos:], chunk["meta_info"]
+            pos = len(text)
+
+    def cache_prefix(self, prefix: str) -> None:
+        check_response(self._request({"text": prefix, "sampling_params": {"max_new_tokens": 0}}))
+
+    def select(self, prompt: str, choices: list[str], method: ChoiceMethod) -> ChoiceDecision:
+        # 1. the prompt alone, once: it lands in the prefix cache and tells its token count
+        head = check_response(self._request({"text": prompt, "sampling_params": {"max_new_tokens": 0}}))
+        start = max(head["meta_info"]["prompt_tokens"] - 2, 0)  # two tokens early: token healing
+        # 2. every choice in one batch, scored from its prompt logprobs
+        scored = self._request({
+            "text": [prompt + c for c in choices],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": start,
+        })  # fmt: skip
+        metas = [check_response(r)["meta_info"] for r in scored]
+        rows = [trim_prompt_token(prompt, m["input_token_logprobs"]) for m in metas]
+        unconditional = None
+        if method.needs_unconditional:
+            # 3. the same tokens without the prompt
+            plain = self._request({
+                "input_ids": [[t[1] for t in row] for row in rows],
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True, "logprob_start_len": 0,
+            })  # fmt: skip
+            unconditional = [check_response(r)["meta_info"]["input_token_logprobs"] for r in plain]
+        return method(
+            choices=choices,
+            normalized_prompt_logprobs=[mean_logprob(r) for r in rows],
+            input_token_logprobs=rows,
+            output_token_logprobs=[m.get("output_token_logprobs", []) for m in metas],
+            unconditional_token_logprobs=unconditional,
+        )

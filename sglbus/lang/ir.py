@@ -1,0 +1,104 @@
+"""The expressions a program appends to its state with `s += ...`.
+
+An expression is data, not an action: `gen("x")` only describes a call, which the state's executor
+makes when it reaches it. `+` joins expressions (and strings) into a flat `ExprList`, so
+`"Q: " + gen("a") + "\n"` is three steps run in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sglbus.lang.params import SamplingParams
+
+if TYPE_CHECKING:
+    from sglbus.lang.choices import ChoiceMethod
+
+
+class Expr:
+    def __add__(self, other: Any) -> ExprList:
+        return ExprList([*leaves(self), *leaves(other)])
+
+    def __radd__(self, other: Any) -> ExprList:
+        return ExprList([*leaves(other), *leaves(self)])
+
+    # a dataclass subclass compares by value; identity would do as well, but equal steps look equal
+    __hash__ = object.__hash__
+
+
+@dataclass(eq=False)
+class ExprList(Expr):
+    items: list[Expr]
+
+
+@dataclass(eq=False)
+class Text(Expr):
+    value: str
+
+
+@dataclass(eq=False)
+class Gen(Expr):
+    name: str | None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(eq=False)
+class Select(Expr):
+    name: str | None
+    choices: list[str]
+    method: ChoiceMethod
+
+
+@dataclass(eq=False)
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclass(eq=False)
+class RoleEnd(Expr):
+    role: str
+
+
+@dataclass(eq=False)
+class Image(Expr):
+    path: Any  # a file path, a URL or bytes: the runtime decides what it can read
+
+
+@dataclass(eq=False)
+class Video(Expr):
+    path: Any
+    num_frames: int
+
+
+@dataclass(eq=False)
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass(eq=False)
+class VarScopeEnd(Expr):
+    name: str
+
+
+def leaves(x: Any) -> list[Expr]:
+    """x as the flat list of steps it stands for; TypeError for what a state cannot take."""
+    if isinstance(x, ExprList):
+        return [leaf for item in x.items for leaf in leaves(item)]
+    if isinstance(x, Expr):
+        return [x]
+    if isinstance(x, str):
+        return [Text(x)]
+    raise TypeError(
+        f"a program appends strings and sgl expressions (gen, select, roles, image), got "
+        f"{type(x).__name__}: {x!r}"
+    )
+
+
+def produced_name(x: Expr) -> str | None:
+    """The variable a step sets, if any (what `s[name]` waits for)."""
+    if isinstance(x, (Gen, Select)):
+        return x.name
+    if isinstance(x, VarScopeEnd):
+        return x.name
+    return None

@@ -1,0 +1,199 @@
+"""Programs through the interpreter on the in-process Engine (default model, CPU, greedy): the
+tutorial's programs, roles through the model's chat template, forks, streaming, run_batch, and the
+errors a program gets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import sglbus as sgl
+
+pytestmark = pytest.mark.slow
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+TOOLS = {"weather": lambda q: "22 degrees and sunny", "calculator": lambda q: "10"}
+
+
+@sgl.function
+def react(s, question):
+    s += sgl.system("You are a tool-using assistant. Use the format:\nThought: ...\nAction: <tool>\n")
+    s += sgl.user(question)
+    s += sgl.assistant_begin()
+    for step in range(2):
+        s += "Thought: " + sgl.gen(f"thought_{step}", max_tokens=12, stop="\n")
+        s += "\nAction: " + sgl.select(f"action_{step}", choices=[*TOOLS, "FINISH"])
+        if s[f"action_{step}"] == "FINISH":
+            break
+        s += f"\nObservation: {TOOLS[s[f'action_{step}']]('')}\n"
+    s += "\nFinal Answer: " + sgl.gen("final", max_tokens=8)
+    s += sgl.assistant_end()
+
+
+def test_react_with_select_over_tools(backend):
+    state = react.run(question="What is 2+3+5?", temperature=0)
+    assert state.error() is None, state.error()
+    text = state.text()
+    assert text.startswith("<|im_start|>system\nYou are a tool-using assistant.")
+    assert state["action_0"] in [*TOOLS, "FINISH"]
+    assert "Action: " + state["action_0"] in text and text.endswith(state["final"] + "<|im_end|>\n")
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"]
+    assert state.messages()[2]["content"].startswith("Thought: " + state["thought_0"].lstrip())
+    # greedy: the same program gives the same text (the second run reuses the prefix cache)
+    assert react.run(question="What is 2+3+5?", temperature=0).text() == text
+
+
+def test_multi_turn_roles_use_the_model_template(backend):
+    @sgl.function
+    def chat(s, turns):
+        for q in turns:
+            s += sgl.user(q)
+            s += sgl.assistant(sgl.gen("reply", max_tokens=6, temperature=0))
+
+    state = chat.run(turns=["Hi!", "What is your name?"])
+    msgs = state.messages()
+    # no system message in the program: the model's template puts its default one first
+    assert msgs[0] == {"role": "system", "content": SYSTEM}
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+    assert state.text() == backend.get_chat_template().render(msgs)
+    assert state.text() == backend.engine.tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert msgs[4]["content"] == state["reply"].lstrip()  # the last gen of a name wins
+
+
+def test_fork_and_vote(backend, engine):
+    @sgl.function
+    def vote(s, question):
+        s += sgl.system("Think step by step.")
+        s += sgl.user(question)
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += sgl.assistant_begin()
+            f += f"Attempt {i}: " + sgl.gen("reasoning", max_tokens=6, stop="\n")
+            f += sgl.assistant_end()
+        answers = [forks[i]["reasoning"] for i in range(3)]
+        s += "Final answer: " + sgl.gen("final", choices=answers)
+        forks.join()
+
+    before = engine.get_stats()["cached_tokens"]
+    state = vote.run(question="What is 7 times 6?", temperature=0)
+    assert state.error() is None, state.error()
+    assert len(state["reasoning"]) == 3  # join gathers each branch's variable
+    assert state["final"] in state["reasoning"]
+    assert state.text().endswith("Final answer: " + state["final"])
+    # the prefix hint before the fork: the three branches read the shared prompt from the cache
+    assert engine.get_stats()["cached_tokens"] - before >= 3 * len(
+        engine.tokenizer.encode("Think step by step.")
+    )
+
+
+def test_forks_run_concurrently(backend):
+    seen: list[str] = []
+
+    @sgl.function
+    def branches(s):
+        s += "List:"
+        forks = s.fork(2)
+        forks += lambda i: f" item {i}" + sgl.gen("x", max_tokens=4, temperature=0)
+        seen.append(threading.current_thread().name)  # the program went on before any result
+        forks.join("concate_and_append")
+
+    state = branches.run()
+    assert state.error() is None, state.error()
+    assert "x" not in state  # concate_and_append appends the branches' text, not their variables
+    one = branches.run().text()
+    assert state.text() == one  # greedy
+    i0, i1 = one.index(" item 0"), one.index(" item 1")
+    assert one.startswith("List: item 0") and i0 < i1
+    assert seen == [threading.current_thread().name] * 2
+
+
+def test_gen_int_regex_and_n(backend):
+    @sgl.function
+    def typed(s):
+        s += "The number after 41 is " + sgl.gen_int("n", max_tokens=4)
+        s += "\nA hex byte: 0x" + sgl.gen("hex", max_tokens=4, regex=r"[0-9a-f]{2}")
+        s += "\nA word:" + sgl.gen("w", max_tokens=3, n=2, temperature=0)
+
+    state = typed.run(temperature=0)
+    assert state.error() is None, state.error()
+    int(state["n"])
+    assert len(state["hex"]) == 2 and int(state["hex"], 16) >= 0
+    assert isinstance(state["w"], list) and len(state["w"]) == 2 and state["w"][0] == state["w"][1]
+    assert state.text().endswith("A word:" + state["w"][0])
+
+
+def test_stream_text_iter_sync_and_async(backend):
+    @sgl.function
+    def qa(s, question):
+        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=10, stop="\n", temperature=0)
+
+    plain = qa.run(question="What is the capital of France?")
+    streamed = qa.run(question="What is the capital of France?", stream=True)
+    pieces = list(streamed.text_iter())
+    assert len(pieces) > 2 and "".join(pieces) == streamed.text() == plain.text()
+
+    async def follow() -> list[tuple[str, dict]]:
+        state = qa.run(question="What is the capital of France?", stream=True)
+        return [p async for p in state.text_async_iter("answer", return_meta_data=True)]
+
+    got = asyncio.run(follow())
+    assert "".join(p for p, _ in got) == plain["answer"]
+    assert got[-1][1]["completion_tokens"] >= 1
+
+
+def test_run_batch_caches_the_shared_prefix(backend, engine):
+    @sgl.function
+    def qa(s, question):
+        s += "You answer questions about geography in one short sentence, without any preamble.\n"
+        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=6, stop="\n", temperature=0)
+
+    assert qa.shared_prefix(backend).startswith("You answer questions") and "Q:" not in qa.shared_prefix(
+        backend
+    )
+    engine.flush_cache()
+    questions = ["Where is Paris?", "Where is Rome?", "Where is Oslo?"]
+    states = qa.run_batch([{"question": q} for q in questions], progress_bar=True, num_threads=2)
+    assert [q in s.text() for q, s in zip(questions, states, strict=True)] == [True] * 3
+    assert all(s.get_meta_info("answer")["cached_tokens"] > 0 for s in states)
+    assert [s["answer"] for s in states] == [qa.run(question=q)["answer"] for q in questions]
+    assert [s["answer"] for s in qa.run_batch([(q,) for q in questions], generator_style=True)] == [
+        s["answer"] for s in states
+    ]
+
+
+def test_program_errors_are_clear(backend):
+    @sgl.function
+    def with_image(s):
+        s += sgl.user(sgl.image("cat.png") + "What is this?")
+        s += sgl.assistant(sgl.gen("a", max_tokens=4))
+
+    state = with_image.run()
+    assert isinstance(state.error(), ValueError)
+    assert "image: the model" in str(state.error()) and "text-only" in str(state.error())
+    with pytest.raises(RuntimeError, match="variable 'a' was not produced: the program failed: image"):
+        state["a"]
+
+    @sgl.function
+    def nested(s):
+        s += sgl.user_begin() + sgl.assistant_begin()
+
+    assert "roles do not nest" in str(nested.run().error())
+
+    @sgl.function
+    def missing(s):
+        s += "x" + sgl.gen("a", max_tokens=1)
+        return s["b"]
+
+    with pytest.raises(KeyError, match="no variable 'b' in this state .variables: 'a'"):
+        missing.run()
+    with pytest.raises(ValueError, match="run: temperature must be a number >= 0"):
+        missing.run(temperature=-1)
+    with pytest.raises(ValueError, match="needs a backend with API speculative execution"):
+        sgl.function(num_api_spec_tokens=64)(lambda s: None).run()
+
+    @sgl.function
+    def too_long(s):
+        s += "x" + sgl.gen("a", max_tokens=10**7)
+
+    assert too_long.run().error() is not None  # refused by the runtime, reported on the state
