@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable
 
 import orjson
@@ -23,7 +24,13 @@ class Heartbeat:
         covered by a live event loop's heartbeat). `report`: fields read anew for every beat (a
         scheduler's metrics)."""
         self.transport, self.subject, self.alive, self.report = transport, subject, alive, report
-        self.payload = {"service": service, "worker": worker, **(extra or {})}
+        # instance: this run of the service (a restarted one has a new one, under the same worker id)
+        self.payload = {
+            "service": service,
+            "worker": worker,
+            "instance": uuid.uuid4().hex[:12],
+            **(extra or {}),
+        }
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

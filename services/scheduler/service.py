@@ -28,7 +28,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
-from shared.heartbeat import Heartbeat
+from shared.heartbeat import INTERVAL_S, Heartbeat
 from shared.messages import AbortReq, Decoder, GenerateReq, encode_split
 from shared.model_files import default_model_path, resolve_model_folder
 from shared.transport import NAK, PROGRESS, TERM, Message, Subjects, Subscription, Transport, Work
@@ -63,6 +63,8 @@ class SchedulerService:
         self._failed: asyncio.Future[str] | None = None
         self._tasks: list[asyncio.Task] = []
         self._gateways: dict[str, float] = {}  # a gateway's output subject -> its last heartbeat
+        self._detok: tuple[str, float] | None = None  # our detokenizer's instance and its last heartbeat
+        self._started = time.monotonic()
         self.metrics = SchedulerMetrics()  # built on the scheduler thread, sent with each heartbeat
 
     async def start(self) -> None:
@@ -86,7 +88,7 @@ class SchedulerService:
                                     alive=self._thread.is_alive,
                                     report=lambda: {"metrics": self.metrics.latest})  # fmt: skip
         self._heartbeat.start()
-        self._tasks = [self._loop.create_task(self._keep_deliveries_alive()),
+        self._tasks += [self._loop.create_task(self._keep_deliveries_alive()),
                        self._loop.create_task(self._drop_orphans())]  # fmt: skip
 
     async def wait_failed(self) -> str:
@@ -169,8 +171,32 @@ class SchedulerService:
             beat = orjson.loads(m.data)
             if beat.get("service") == "gateway" and isinstance(beat.get("out_subject"), str):
                 self._gateways[beat["out_subject"]] = time.monotonic()
+            elif beat.get("service") == "detokenizer" and beat.get("worker") == self.cfg.worker_id:
+                self._on_detokenizer_beat(beat)
         except (orjson.JSONDecodeError, AttributeError):
             pass
+
+    def _on_detokenizer_beat(self, beat: dict) -> None:
+        """A new run of our detokenizer (restarted, or the first one seen): the final outputs sent
+        since the last sign of the one before (or since this scheduler started) may have gone to
+        nobody, and their requests would wait for the work queue's redelivery (ack_wait). Give them
+        back now: the gateway acknowledged those it got (a give-back then does nothing) and runs the
+        others again."""
+        if beat.get("leaving"):
+            return
+        now, instance = time.monotonic(), str(beat.get("instance"))
+        if self._detok is None or self._detok[0] != instance:
+            since = self._started if self._detok is None else self._detok[1] - INTERVAL_S
+            self._tasks.append(asyncio.get_running_loop().create_task(self._give_back_finished(since)))
+        self._detok = (instance, now)
+
+    async def _give_back_finished(self, since: float) -> None:
+        tokens = await self.call(lambda s: s.output.finished_since(since))
+        if tokens:
+            log.warning("a new detokenizer: %d requests that finished since it may have missed are "
+                        "given back to the work queue", len(tokens))  # fmt: skip
+        for token in tokens:
+            await self.transport.settle_work(token, NAK)
 
     def _orphaned(self, out_subject: str) -> bool:
         """The gateway that waits for this output was seen, and has been silent for too long."""

@@ -1,16 +1,24 @@
 """What one scheduler step sends to the detokenizer: one columnar `BatchTokenOut`, a row per request
-that produced tokens or finished, and each request's `NewReqInfo` the first time it appears."""
+that produced tokens or finished, and each request's `NewReqInfo` the first time it appears. It also
+remembers when recent requests finished (`finished_since`): their outputs may have gone to a
+detokenizer that was dead by then."""
 
 from __future__ import annotations
+
+import time
+from collections import deque
 
 from services.scheduler.logprobs import pack
 from services.scheduler.request import Req
 from shared.messages import BatchTokenOut, NewReqInfo
 
+_FINISHED_KEPT = 65536  # (time, work token) of the requests that finished last
+
 
 class StepOutput:
     def __init__(self) -> None:
         self._out = BatchTokenOut()
+        self._finished: deque[tuple[float, str]] = deque(maxlen=_FINISHED_KEPT)
 
     def emit(self, req: Req, tokens: list[int]) -> None:
         """Add a row: `tokens` just produced by `req` (maybe none), its finish reason, its logprobs."""
@@ -37,6 +45,8 @@ class StepOutput:
         out.cached_tokens.append(req.cached_tokens or 0)
         out.offsets.append(len(req.output) - len(tokens))
         out.finish_reasons.append(req.finish)
+        if req.finish is not None and req.work_token:
+            self._finished.append((time.monotonic(), req.work_token))
         if req.lp is not None or out.logprobs:
             out.logprobs += [None] * (len(out.rids) - 1 - len(out.logprobs))
             lp = None
@@ -44,6 +54,10 @@ class StepOutput:
                 lp = pack(req.lp_in, req.lp_out)
                 req.lp_in, req.lp_out = [], []
             out.logprobs.append(lp)
+
+    def finished_since(self, t: float) -> list[str]:
+        """The work tokens of requests whose final output went out at or after monotonic time t."""
+        return list(dict.fromkeys(tok for at, tok in self._finished if at >= t))
 
     def take(self) -> BatchTokenOut | None:
         """The rows added since the last call, or None if there were none."""
