@@ -11,12 +11,16 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglbus.lang.backends.base import Backend, resolve_backend
 from sglbus.lang.interpreter import StopTracing, StreamExecutor
 from sglbus.lang.params import SamplingParams, run_defaults
 from sglbus.lang.state import ProgramState
+
+if TYPE_CHECKING:
+    from sglbus.lang.compiler import CompiledFunction
+    from sglbus.lang.tracer import Trace
 
 # a shorter common prefix is not worth a request of its own before a batch
 MIN_PREFIX_CHARS = 64
@@ -28,6 +32,12 @@ class Function:
         params = list(inspect.signature(func).parameters.values())
         if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
             raise TypeError(f"@sgl.function {func.__name__}: the first parameter must be the state (`s`)")
+        if num_api_spec_tokens is not None and (
+            isinstance(num_api_spec_tokens, bool) or not isinstance(num_api_spec_tokens, int)
+            or num_api_spec_tokens < 1
+        ):  # fmt: skip
+            raise ValueError(f"@sgl.function: num_api_spec_tokens must be an integer >= 1 or None, "
+                             f"got {num_api_spec_tokens!r}")  # fmt: skip
         self.func, self.num_api_spec_tokens = func, num_api_spec_tokens
         self.bind_arguments = dict(bind_arguments or {})
         self.arg_names = [p.name for p in params[1:]]
@@ -63,6 +73,10 @@ class Function:
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
         )  # fmt: skip
+        if stream and self.num_api_spec_tokens is not None:
+            raise ValueError("run: stream=True cannot be combined with "
+                             "@sgl.function(num_api_spec_tokens=...): a speculated reply is matched once "
+                             "it is complete")  # fmt: skip
         return self._run(self._backend(backend), args, kwargs, defaults, stream, use_thread)
 
     def run_batch(self, batch_kwargs: list[dict[str, Any]] | list[tuple[Any, ...]], *,
@@ -102,6 +116,19 @@ class Function:
         states = _map(one, batch, threads, progress_bar)
         return states if generator_style else list(states)
 
+    def trace(self, **arguments: Any) -> Trace:
+        """The program as an IR graph (compiler mode), printable; arguments not given are placeholders."""
+        from sglbus.lang.tracer import trace_function
+
+        return trace_function(self, arguments)
+
+    def compile(self, *, backend: Any = None, **bind: Any) -> CompiledFunction:
+        """The program traced once into a graph whose runs batch their model calls (compiler mode).
+        Raises UntraceableError when its Python code depends on generated values."""
+        from sglbus.lang.compiler import CompiledFunction
+
+        return CompiledFunction(self, bind, backend)
+
     def cache(self, backend: Any = None) -> str:
         """Send the prefix every run of this program starts with to the runtime's prefix cache
         (when longer than 64 characters); returns it."""
@@ -130,7 +157,7 @@ class Function:
         if self.num_api_spec_tokens is not None and not be.supports_api_speculative_execution:
             raise ValueError(
                 f"@sgl.function(num_api_spec_tokens=...) needs a backend with API speculative execution "
-                f"(the OpenAI backend, planned); {type(be).__name__} has none"
+                f"(sgl.OpenAI); {type(be).__name__} has none"
             )
         return be
 
@@ -144,7 +171,8 @@ class Function:
 
     def _run(self, backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any], defaults: SamplingParams,
              stream: bool, use_thread: bool) -> ProgramState:  # fmt: skip
-        state = ProgramState(StreamExecutor(backend, defaults, stream, threaded=use_thread or stream))
+        state = ProgramState(StreamExecutor(backend, defaults, stream, threaded=use_thread or stream,
+                                            num_api_spec_tokens=self.num_api_spec_tokens))  # fmt: skip
         kwargs = {**kwargs, **self.bind_arguments}
 
         def body() -> None:

@@ -31,11 +31,36 @@ class StopTracing(Exception):
     """A traced program reached a step whose text is not known in advance."""
 
 
+class ChatPrompt(str):
+    """The prompt a backend that talks in messages (`is_chat_model`) gets: the text so far, as every
+    backend does, with the finished turns, the open role and what the program wrote in it so far."""
+
+    messages: tuple[dict[str, Any], ...]
+    role: str | None
+    role_text: str
+
+    def __new__(
+        cls, text: str, messages: tuple[dict[str, Any], ...], role: str | None, role_text: str
+    ) -> ChatPrompt:
+        self = super().__new__(cls, text)
+        self.messages, self.role, self.role_text = messages, role, role_text
+        return self
+
+    def turn_start(self) -> ChatPrompt:
+        """The prompt as it was when the open turn began."""
+        return ChatPrompt(self[: len(self) - len(self.role_text)], self.messages, self.role, "")
+
+
 class StreamExecutor:
     def __init__(self, backend: Backend, defaults: SamplingParams, stream: bool = False,
                  chat_template: ChatTemplate | None = None, threaded: bool = True,
-                 tracing: bool = False) -> None:  # fmt: skip
+                 tracing: bool = False, num_api_spec_tokens: int | None = None) -> None:  # fmt: skip
         self.backend, self.defaults, self.stream, self.tracing = backend, defaults, stream, tracing
+        # API speculative execution: the backend's matcher decides which gens need a call
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.speculation: Any = (
+            None if num_api_spec_tokens is None else backend.speculation(num_api_spec_tokens)
+        )
         self.chat_template = chat_template or backend.get_chat_template()
         self.text_ = ""
         self.messages_: list[dict[str, Any]] = []
@@ -122,7 +147,8 @@ class StreamExecutor:
         children = []
         for _ in range(size):
             child = StreamExecutor(self.backend, self.defaults, self.stream, self.chat_template,
-                                   threaded=self._queue is not None)  # fmt: skip
+                                   threaded=self._queue is not None,
+                                   num_api_spec_tokens=self.num_api_spec_tokens)  # fmt: skip
             child.text_, child.messages_ = self.text_, list(self.messages_)
             child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
             child.role, child.role_start, child.fork_start = self.role, self.role_start, len(self.text_)
@@ -192,6 +218,8 @@ class StreamExecutor:
     def _execute(self, step: ir.Expr) -> None:
         if isinstance(step, ir.Text):
             self._append(step.value)
+            if self.speculation is not None:
+                self.speculation.fill(step.value)
         elif isinstance(step, ir.Gen):
             self._gen(step)
         elif isinstance(step, ir.Select):
@@ -203,6 +231,7 @@ class StreamExecutor:
         elif isinstance(step, (ir.Image, ir.Video)):
             if self.tracing:
                 raise StopTracing
+            self._spec_reset()
             self.backend.check_media("image" if isinstance(step, ir.Image) else "video", step.path)
             self._append(self.chat_template.image_token)
         elif isinstance(step, ir.VarScopeBegin):
@@ -228,25 +257,37 @@ class StreamExecutor:
             raise StopTracing
         params = self._params(gen)
         if not self.stream:
-            text, meta = self.backend.generate(self.text_, params)
+            generate = self.backend.generate if self.speculation is None else self.speculation.generate
+            text, meta = generate(self._prompt(), params)
             with self._changed:  # n > 1: the variable holds every sample, the text goes on with the first
                 self.text_ += text[0] if isinstance(text, list) else text
                 self.variables[gen.name], self.meta_info[gen.name] = text, meta
             return
         self._append("", gen.name, new_var=True)
-        for delta, meta in self.backend.generate_stream(self.text_, params):
+        for delta, meta in self.backend.generate_stream(self._prompt(), params):
             self.meta_info[gen.name] = meta
             self._append(delta, gen.name)
 
     def _select(self, sel: ir.Select) -> None:
         if self.tracing:
             raise StopTracing
-        decision = self.backend.select(self.text_, sel.choices, sel.method)
+        self._spec_reset()
+        decision = self.backend.select(self._prompt(), sel.choices, sel.method)
         with self._changed:
             self.text_ += decision.decision
             self.variables[sel.name], self.meta_info[sel.name] = decision.decision, decision.meta_info
 
+    def _prompt(self) -> str:
+        if not getattr(self.backend, "is_chat_model", False):
+            return self.text_
+        return ChatPrompt(self.text_, tuple(self.messages_), self.role, self.text_[self.role_start :])
+
+    def _spec_reset(self) -> None:
+        if self.speculation is not None:
+            self.speculation.reset()
+
     def _role_begin(self, role: str) -> None:
+        self._spec_reset()
         if self.role is not None:
             raise ValueError(f"{role}_begin inside an open {self.role} role: roles do not nest")
         if not self.messages_ and role != "system" and self.chat_template.default_system_prompt:
@@ -261,6 +302,7 @@ class StreamExecutor:
     def _role_end(self, role: str) -> None:
         if self.role != role:
             raise ValueError(f"{role}_end without {role}_begin (the open role is {self.role})")
+        self._spec_reset()
         content = self.text_[self.role_start :].lstrip()
         self.role = None
         self._append(self.chat_template.prefix_and_suffix(role)[1])

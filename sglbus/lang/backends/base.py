@@ -30,6 +30,20 @@ class Backend(ABC):
     def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[tuple[str, Any]]:
         """The continuation as (new text, meta_info so far) pieces."""
 
+    def generate_batch(
+        self, prompts: list[str], params: list[SamplingParams]
+    ) -> list[tuple[str | list[str], Any] | Exception]:
+        """Independent gens at once (compiler mode sends the ready gens of all streams together): per
+        prompt its result, or the exception its call raised, so one bad prompt fails only its own gen.
+        This default calls generate for each; a backend with a batch API sends one request."""
+        out: list[tuple[str | list[str], Any] | Exception] = []
+        for prompt, p in zip(prompts, params, strict=True):
+            try:
+                out.append(self.generate(prompt, p))
+            except Exception as e:
+                out.append(e)
+        return out
+
     @abstractmethod
     def select(self, prompt: str, choices: list[str], method: ChoiceMethod) -> ChoiceDecision:
         """Which choice continues prompt best, by method, with the scores in meta_info."""

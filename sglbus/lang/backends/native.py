@@ -67,6 +67,34 @@ class NativeBackend(Backend):
         check_response(out)
         return out["text"], out["meta_info"]
 
+    def generate_batch(
+        self, prompts: list[str], params: list[SamplingParams]
+    ) -> list[tuple[str | list[str], Any] | Exception]:
+        """One batch `/generate` per group of gens that share n and the logprob fields (a batch body has
+        one value of each); a group the runtime refuses as a whole is retried gen by gen, so the error
+        lands on the gen that caused it."""
+        bodies = [generate_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, b in enumerate(bodies):
+            shared = tuple(sorted((k, v) for k, v in b.items() if k not in ("text", "sampling_params")))
+            groups.setdefault((b["sampling_params"].get("n", 1), shared), []).append(i)
+        out: dict[int, tuple[str | list[str], Any] | Exception] = {}
+        for (n, shared), rows in groups.items():
+            sampling = [bodies[i]["sampling_params"] for i in rows]
+            try:
+                responses = self._request({"text": [prompts[i] for i in rows], "sampling_params": sampling,
+                                           **dict(shared)}) if len(rows) > 1 else None  # fmt: skip
+            except Exception:
+                responses = None
+            if not isinstance(responses, list) or len(responses) != len(rows) * n:
+                for i in rows:
+                    out[i] = _or_error(self.generate, prompts[i], params[i])
+                continue
+            for j, i in enumerate(rows):  # n > 1: n responses per prompt, prompt after prompt
+                mine = responses[j * n : (j + 1) * n]
+                out[i] = _or_error(_result, mine if n > 1 else mine[0])
+        return [out[i] for i in range(len(bodies))]
+
     def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[tuple[str, Any]]:
         if params.n not in (None, 1):
             raise ValueError("gen: n > 1 cannot be streamed; run without stream=True")
@@ -108,3 +136,19 @@ class NativeBackend(Backend):
             output_token_logprobs=[m.get("output_token_logprobs", []) for m in metas],
             unconditional_token_logprobs=unconditional,
         )
+
+
+def _result(out: dict[str, Any] | list[dict[str, Any]]) -> tuple[str | list[str], Any]:
+    """A gen's (text, meta_info) from its response, or from its n responses as lists."""
+    if isinstance(out, list):
+        out = [check_response(r) for r in out]
+        return [r["text"] for r in out], [r["meta_info"] for r in out]
+    check_response(out)
+    return out["text"], out["meta_info"]
+
+
+def _or_error(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
