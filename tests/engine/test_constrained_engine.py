@@ -58,19 +58,19 @@ def test_a_bad_grammar_is_a_400_and_ends_only_its_request(engine):
     assert "sampling_params.ebnf" in reason["message"] and "missing" in reason["message"]
 
 
-def test_grammars_under_overlap_scheduling_match_the_synchronous_loop(make_engine):
+def test_grammars_under_overlap_scheduling_match_the_synchronous_loop(engine, make_engine):
     """The GPU's default loop on CPU: a step with a constrained request decoding the token in flight
     completes that step between its forward and its sampling (the mask needs the token), every step
-    still overlaps, and the tokens are the synchronous loop's, jump-forward included."""
+    still overlaps, and the tokens are the synchronous loop's (the module engine's: CPU's default),
+    jump-forward included."""
     phone = [{"temperature": 0.7, "max_new_tokens": 24, "regex": PHONE, "sampling_seed": s} for s in range(3)]
     person = {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(PERSON)}
     free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     prompts = ["Call me at"] * 3 + ["Bob is 45 and lives in Berlin. As JSON:", "Tell me"]
-    outs = {}
-    for overlap in (False, True):
-        engine = make_engine(disable_overlap_schedule=not overlap)
-        outs[overlap] = engine.generate(prompts, [*phone, person, free])
-        stats = engine.get_stats()
+    outs = {False: engine.generate(prompts, [*phone, person, free])}
+    overlapped = make_engine(disable_overlap_schedule=False)
+    outs[True] = overlapped.generate(prompts, [*phone, person, free])
+    stats = overlapped.get_stats()
     assert [o["output_ids"] for o in outs[True]] == [o["output_ids"] for o in outs[False]]
     for o in outs[True][:3]:
         assert re.fullmatch(PHONE, o["text"]), o["text"]
@@ -91,19 +91,22 @@ def test_jump_forward_saves_steps_and_streams_right_text(make_engine):
     steps = {}
     for jump in (False, True):
         engine = make_engine(disable_jump_forward=not jump)
-        outs = engine.generate(prompts, [params] * len(prompts))
-        for o in outs:
+        if jump:  # streamed: every chunk's text is a prefix of its request's final one
+            chunks = list(engine.generate(prompts, [params] * len(prompts), stream=True))
+            streams = [[c for c in chunks if c["index"] == i] for i in range(len(prompts))]
+            outs = [stream[-1] for stream in streams]
+            for stream, final in zip(streams, outs, strict=True):
+                assert all(final["text"].startswith(c["text"]) for c in stream)
+                assert all(c["meta_info"]["finish_reason"] is None for c in stream[:-1])
+        else:
+            outs = engine.generate(prompts, [params] * len(prompts))
+        for o in outs:  # ids and text agree, streamed or not
             obj = json.loads(o["text"])
             assert set(obj) == {"name", "age", "city"} and o["meta_info"]["finish_reason"]["type"] == "stop"
             assert engine.tokenizer.decode(o["output_ids"], skip_special_tokens=True) == o["text"]
         stats = engine.get_stats()
         steps[jump] = stats["steps"]
         assert (stats["jump_forward_tokens"] > 0) == jump
-        if jump:  # a stream: every chunk's text is a prefix of the final one, ids and text agree
-            chunks = list(engine.generate(prompts[1], params, stream=True))
-            final = chunks[-1]
-            assert final["text"] == outs[1]["text"] and final["output_ids"] == outs[1]["output_ids"]
-            assert all(final["text"].startswith(c["text"]) for c in chunks)
     # 0.9: under overlap scheduling (the GPU's default loop) each jump also costs the step launched
     # before its token was known (24 against 29 steps on the H200; fewer on the CPU's synchronous loop)
     assert steps[True] < 0.9 * steps[False]
@@ -146,15 +149,15 @@ def test_a_compiling_grammar_holds_only_its_request_and_times_out_or_aborts(make
 
 
 def test_grammars_with_n_samples_chunked_prefill_and_retraction(make_engine):
-    # a pool of 300 slots and 64-token chunks: the 108-token prompt prefills in chunks, and 6 samples
-    # of 40-48 digits (a token each) outgrow the pool and retract one another
-    engine = make_engine(max_total_tokens=300, chunked_prefill_size=64, new_token_ratio=0.0)
+    # a pool of 200 slots and 64-token chunks: the 108-token prompt prefills in chunks, and 6 samples
+    # of 20-24 digits (a token each) outgrow the pool and retract one another
+    engine = make_engine(max_total_tokens=200, chunked_prefill_size=64, new_token_ratio=0.0)
     long = "Passage: " + "the quick brown fox jumps over the lazy dog; " * 10 + "\nA number:"
-    params = {"temperature": 1.0, "max_new_tokens": 48, "regex": "[0-9]{40,48}", "n": 3}
+    params = {"temperature": 1.0, "max_new_tokens": 24, "regex": "[0-9]{20,24}", "n": 3}
     outs = engine.generate([long, "A person as JSON:"], params)
     assert len(outs) == 6
     for o in outs:
-        assert re.fullmatch("[0-9]{40,48}", o["text"]), o["text"]
+        assert re.fullmatch("[0-9]{20,24}", o["text"]), o["text"]
     assert engine.get_stats()["retractions"] > 0
 
 
@@ -195,15 +198,16 @@ NESTED = json.loads(
 )
 
 
-def test_a_retokenized_extend_caches_only_the_kv_it_kept(make_engine):
+def test_a_retokenized_extend_caches_only_the_kv_it_kept(engine):
     """A jump-forward extend whose completion retokenizes (and frees the KV of) its own last tokens
     shares only the kept tokens with the radix cache: a freed slot cached too was a KV leak that the
-    fixture's integrity check (free list and cache disjoint) catches."""
-    engine = make_engine()
+    integrity check (free list and cache disjoint) catches."""
+    before = engine.get_stats()["retokenized"]
     params = {"temperature": 0, "max_new_tokens": 160, "json_schema": json.dumps(NESTED)}
     out = engine.generate("Some data as JSON (ks, a_xcw, mjtre):", params)
     assert json.loads(out["text"]).keys() == NESTED["properties"].keys()
-    assert engine.get_stats()["retokenized"] > 0
+    assert engine.get_stats()["retokenized"] > before
+    engine.check_integrity()
 
 
 def test_a_slow_backend_start_does_not_count_as_compile_time(make_engine, monkeypatch):

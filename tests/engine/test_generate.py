@@ -11,22 +11,26 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 PROMPT = "The capital of France is"
 
 
-def test_stop_token_ids_and_eos(engine):
-    ref = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
+@pytest.fixture(scope="module")
+def ref(engine) -> dict:
+    """PROMPT's 24 greedy tokens with no stop condition: what the stop tests cut and streams rebuild."""
+    return engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
+
+
+def test_stop_token_ids_and_eos(engine, ref):
     stop_at = ref["output_ids"][5]
     out = engine.generate(PROMPT, {**GREEDY, "stop_token_ids": [stop_at]})
     first = ref["output_ids"].index(stop_at)
     assert out["output_ids"] == ref["output_ids"][: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
-    # the chat model ends its answer with <|im_end|> (id 2) unless ignore_eos
-    chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    # the chat model ends its answer with <|im_end|> (id 2) unless ignore_eos (here after 6 tokens)
+    chat = "<|im_start|>user\nReply with one word: is water wet?<|im_end|>\n<|im_start|>assistant\n"
     out = engine.generate(chat, {"temperature": 0, "max_new_tokens": 64})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
     assert out["output_ids"][-1] == 2 and "<|im_end|>" not in out["text"]
 
 
-def test_stop_strings_trim_and_no_stop_trim(engine):
-    ref = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
+def test_stop_strings_trim_and_no_stop_trim(engine, ref):
     text = ref["text"]
     stop = text[8:11]
     cut = text.index(stop)
@@ -57,8 +61,8 @@ def test_seeded_sampling_reproduces_and_differs_across_seeds(engine):
     assert a["output_ids"] != c["output_ids"]
 
 
-def test_streaming_is_cumulative_and_ends_with_the_full_response(engine):
-    full = engine.generate(PROMPT, {**GREEDY, "ignore_eos": True})
+def test_streaming_is_cumulative_and_ends_with_the_full_response(engine, ref):
+    full = ref
     chunks = list(engine.generate(PROMPT, {**GREEDY, "ignore_eos": True}, stream=True))
     assert len(chunks) > 3
     texts = [c["text"] for c in chunks]

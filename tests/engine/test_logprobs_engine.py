@@ -247,12 +247,13 @@ def test_n_with_logprobs_and_stream(engine, prompt_ids):
     assert {c["index"] for c in chunks} == {0, 1}
 
 
-def test_retraction_and_tiny_chunks_keep_logprobs(make_engine, prompt_ids):
+def test_retraction_and_tiny_chunks_keep_logprobs(engine, make_engine, prompt_ids):
     """A pool so small that requests are retracted mid-run, and 5-token prefill chunks: every prompt and
-    output position still gets exactly one logprob, equal to the roomy one-shot run's."""
+    output position still gets exactly one logprob, equal to the roomy one-shot run's (the module
+    engine's, whose cache holds the prompts: it recomputes them from position 1)."""
     params = {**GREEDY, "max_new_tokens": 16}
     opts = ask(logprob_start_len=1)
-    roomy = make_engine().generate(input_ids=prompt_ids, sampling_params=params, **opts)
+    roomy = engine.generate(input_ids=prompt_ids, sampling_params=params, **opts)
     tight = make_engine(max_total_tokens=60, new_token_ratio=0.0, chunked_prefill_size=5)
     outs = tight.generate(input_ids=prompt_ids, sampling_params=params, **opts)
     assert tight.get_stats()["retractions"] > 0

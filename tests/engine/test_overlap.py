@@ -10,17 +10,18 @@ import pytest
 PROMPTS = [
     "The capital of France is",
     "List three colours:",
-    "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",  # ends with EOS inside the batch
+    # ends with EOS (its 6th token) while the others still decode
+    "<|im_start|>user\nReply with one word: is water wet?<|im_end|>\n<|im_start|>assistant\n",
     "Once upon a time, in a land far away, there lived a",
     "1, 2, 3, 4,",
 ]
 PARAMS = [
-    {"temperature": 0, "max_new_tokens": 24},
-    {"temperature": 0.8, "top_p": 0.9, "sampling_seed": 7, "max_new_tokens": 20, "ignore_eos": True},
-    {"temperature": 0, "max_new_tokens": 40},
-    {"temperature": 0, "max_new_tokens": 16, "frequency_penalty": 0.8, "presence_penalty": 0.4,
+    {"temperature": 0, "max_new_tokens": 12},
+    {"temperature": 0.8, "top_p": 0.9, "sampling_seed": 7, "max_new_tokens": 12, "ignore_eos": True},
+    {"temperature": 0, "max_new_tokens": 16},
+    {"temperature": 0, "max_new_tokens": 12, "frequency_penalty": 0.8, "presence_penalty": 0.4,
      "repetition_penalty": 1.3, "min_new_tokens": 4},
-    {"temperature": 0, "max_new_tokens": 30, "stop_token_ids": [28], "ignore_eos": True},
+    {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [28], "ignore_eos": True},
 ]  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def test_overlap_matches_the_synchronous_loop(make_engine, options):
 
 def test_overlap_retracts_in_a_tiny_pool(make_engine):
     """Retraction needs every token known: the step in flight is completed first."""
-    long = [{**p, "max_new_tokens": 30, "ignore_eos": True} for p in PARAMS]
+    long = [{**p, "max_new_tokens": 16, "ignore_eos": True} for p in PARAMS]  # 80 tokens beside 53
     results = []
     for disable in (True, False):
         engine = make_engine(disable_overlap_schedule=disable, max_total_tokens=100, new_token_ratio=0.0)

@@ -7,7 +7,8 @@ import pytest
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 PROMPTS = ["1, 1, 1, 1, 1, 1,", "The capital of France is", "List three colours:"]
-CHAT = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+# the chat model answers it in 6 tokens, then <|im_end|> (id 2)
+CHAT = "<|im_start|>user\nReply with one word: is water wet?<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,11 @@ def test_min_new_tokens_masks_eos_until_reached(engine):
     assert 2 not in longer["output_ids"][: n + 5]
 
 
-def test_retraction_keeps_penalty_state(make_engine):
-    params = [{**GREEDY, "max_new_tokens": 24, "frequency_penalty": 1.0, "repetition_penalty": 1.3}] * 3
-    roomy = make_engine().generate(PROMPTS, params)
-    tight = make_engine(max_total_tokens=60, new_token_ratio=0.0)
+def test_retraction_keeps_penalty_state(engine, make_engine):
+    params = [{**GREEDY, "frequency_penalty": 1.0, "repetition_penalty": 1.3}] * 3
+    roomy = engine.generate(PROMPTS, params)  # the module engine: the prompts come from its cache
+    # 26 prompt tokens and 3 x 16 new ones in 48 slots: retracted twice on the way
+    tight = make_engine(max_total_tokens=48, new_token_ratio=0.0)
     outs = tight.generate(PROMPTS, params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in roomy]
     assert tight.get_stats()["retractions"] > 0

@@ -16,15 +16,13 @@ PROMPTS = [
     "Water boils at",
     "My favourite book is",
 ]
-PARAMS = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+# 8 prompts of 44 tokens in all and 12 new tokens each: 140 tokens, more than the tiny pool below holds
+PARAMS = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from sglbus import Engine
-
-    with Engine() as e:
-        return [o["output_ids"] for o in e.generate(PROMPTS, PARAMS)]
+def reference(engine):
+    return [o["output_ids"] for o in engine.generate(PROMPTS, PARAMS)]
 
 
 def test_tiny_pool_retracts_and_still_completes_every_request(make_engine, reference):

@@ -72,8 +72,12 @@ def run_decode(seq_lens, num_heads, num_kv_heads, head_dim, dtype, num_splits=4,
     return out, ref
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
+# each GQA group (1; 3, padded rows masked; 4) and each head_dim (64; 80, padded columns masked) once,
+# the two masks together in one case: they act on different axes of the tile
+SHAPES = [(2, 2, 80), (6, 2, 80), (8, 2, 64)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 def test_decode_matches_reference(num_heads, num_kv_heads, head_dim):
     # 1 key, one partial 16-key tile, several tiles per split, and a length that is no tile multiple
     out, ref = run_decode([1, 9, 70, 133, 16], num_heads, num_kv_heads, head_dim, torch.float32)
@@ -135,10 +139,12 @@ def cascade_plan(groups, batch, group_size):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4), (6, 2)])
 def test_decode_with_shared_prefixes_matches_reference(num_heads, num_kv_heads):
-    # two groups (9 members over a 37-token prefix: several tiles; 3 over 20) and two loners; the
-    # members' rows hold the same slots for the prefix, as the radix cache hands them out
-    seq_lens = [40, 38, 60, 41, 37 + 16, 39, 45, 38, 50, 25, 21, 22, 33, 5]
-    groups = [(37, [0, 1, 2, 3, 4, 5, 6, 7, 8]), (20, [9, 10, 11])]
+    # two groups (6 members over a 37-token prefix: two tiles of block_r 4, the second partial, or one
+    # partial tile of 16 for a GQA group of 1; 3 over 20) and two loners; the members' rows hold the
+    # same slots for the prefix, as the radix cache hands them out; their own keys after the prefix:
+    # 1, one whole 16-key tile, a tile and a part
+    seq_lens = [40, 38, 60, 37 + 16, 45, 50, 25, 21, 22, 33, 5]
+    groups = [(37, [0, 1, 2, 3, 4, 5]), (20, [6, 7, 8])]
     gen = torch.Generator().manual_seed(5)
     k_buf, v_buf, table, rows = make_pool(seq_lens, num_kv_heads, 64, torch.float32, gen)
     for prefix, idx in groups:
@@ -172,8 +178,7 @@ def run_extend(prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtyp
     return out, reference(q, k_buf, v_buf, table, rows, prefix_lens, extend_lens, scale)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 def test_extend_matches_reference(num_heads, num_kv_heads, head_dim):
     # a plain prefill over several q blocks, prefix hits (tile-aligned and not), a single new token
     out, ref = run_extend([0, 23, 0, 32], [37, 5, 1, 18], num_heads, num_kv_heads, head_dim, torch.float32)

@@ -19,7 +19,7 @@ PROMPTS = [
     [5, 6],
     list(range(300, 317)),
 ]
-PARAMS = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+PARAMS = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +31,39 @@ def run(make_engine, folder, backend, **options):
     engine = make_engine(model_path=folder, attention_backend=backend, device="cpu", **options)
     first = engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS)  # fills the cache
     rest = engine.generate(input_ids=PROMPTS[1:], sampling_params=[PARAMS] * 3, return_logprob=True)
+    return [first, *rest], engine.get_stats()
+
+
+@pytest.fixture(scope="module")
+def torch_ref(tiny):
+    """The torch backend's outputs, once: its tokens do not depend on the options below (the engine
+    tests check that chunking, overlap and retraction keep the output), only the triton runs vary."""
+    from sglbus import Engine
+
+    with Engine(model_path=tiny, attention_backend="torch", device="cpu") as engine:
+        first = engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS)
+        rest = engine.generate(input_ids=PROMPTS[1:], sampling_params=[PARAMS] * 3, return_logprob=True)
+        engine.check_integrity()
     return [first, *rest]
 
 
-OVERLAP = {"chunked_prefill_size": 8, "disable_overlap_schedule": False}  # the GPU's default, on CPU
+# the tight pool runs what the default options run (a 40-token prefill, a 30-token cache hit, decode
+# at batch 3) and retracts a request on top; OVERLAP prefills in 8-token chunks (cached chunks as the
+# prefix of the next, extend beside decode in one step) under the GPU's default loop, on CPU
+TIGHT = {"max_total_tokens": 60, "new_token_ratio": 0.0}
+OVERLAP = {"chunked_prefill_size": 8, "disable_overlap_schedule": False}
 
 
-@pytest.mark.parametrize("options", [{}, {"chunked_prefill_size": 8}, {"max_total_tokens": 80}, OVERLAP])
-def test_triton_backend_matches_torch(make_engine, tiny, options):
-    ref = run(make_engine, tiny, "torch", **options)
-    got = run(make_engine, tiny, "triton", **options)
-    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
-    for g, r in zip(got[1:], ref[1:], strict=True):
+@pytest.mark.parametrize("options", [TIGHT, OVERLAP], ids=["tight-pool", "chunked-overlap"])
+def test_triton_backend_matches_torch(make_engine, tiny, torch_ref, options):
+    got, stats = run(make_engine, tiny, "triton", **options)
+    assert stats["cached_tokens"] == 30  # the second prompt's prefix came from the cache
+    if "max_total_tokens" in options:
+        assert stats["retractions"] > 0
+    else:
+        assert stats["overlapped_steps"] > 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in torch_ref]
+    for g, r in zip(got[1:], torch_ref[1:], strict=True):
         for (lg, *_), (lr, *_) in zip(g["meta_info"]["output_token_logprobs"],
                                       r["meta_info"]["output_token_logprobs"], strict=True):  # fmt: skip
             assert abs(lg - lr) < 1e-4

@@ -56,15 +56,6 @@ def converted(cache_dir):
     return folder
 
 
-@pytest.fixture(scope="module")
-def hf_gguf_model():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-
-
 def permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's HF -> GGUF permutation of q/k rows (convert_hf_to_gguf.py)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -164,10 +155,11 @@ def test_second_resolve_is_fast_and_same(converted):
     assert resolve_model_folder(converted) == converted  # the cache folder is itself a valid HF folder
 
 
-def test_weights_equal_transformers_gguf(converted, hf_gguf_model):
+def test_weights_equal_transformers_gguf(converted, hf_model):
+    """Against transformers' own reading of the GGUF: the session's parity reference (conftest.py)."""
     ours = dict(iter_weights(converted))
     assert set(ours) == set(hf_weight_shapes(ModelConfig.from_folder(converted)))
-    theirs = hf_gguf_model.state_dict()
+    theirs = hf_model.state_dict()
     for name in (
         "model.embed_tokens.weight",
         "model.norm.weight",
