@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sglbus.lang import ir
 from sglbus.lang.interpreter import StreamExecutor
+from sglbus.lang.roles import StateRoles
 
 _END = object()
 
 
-class ProgramState:
+class ProgramState(StateRoles):
     def __init__(self, executor: StreamExecutor) -> None:
         self.stream_executor = executor
         self.ret_value: Any = None  # what the program function returned
@@ -62,32 +62,6 @@ class ProgramState:
 
     def sync(self) -> None:
         self.stream_executor.sync()
-
-    # -- roles and scopes as context managers: `with s.user(): s += ...` ---------------------------
-    def _role(self, role: str, expr: Any = None) -> Any:
-        if expr is not None:
-            self += ir.RoleBegin(role) + expr + ir.RoleEnd(role)
-            return None
-        return self._scope(ir.RoleBegin(role), ir.RoleEnd(role))
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
-
-    def var_scope(self, name: str) -> Any:
-        """`with s.var_scope("x"): ...`: s["x"] is the text appended inside."""
-        return self._scope(ir.VarScopeBegin(name), ir.VarScopeEnd(name))
-
-    @contextmanager
-    def _scope(self, begin: ir.Expr, end: ir.Expr) -> Iterator[None]:
-        self += begin
-        yield
-        self += end
 
     # -- branches -----------------------------------------------------------------------------
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> ForkGroup:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from sglbus.lang import ir
+from sglbus.lang.roles import StateRoles
 
 if TYPE_CHECKING:
     from sglbus.lang.function import Function
@@ -208,7 +209,7 @@ class Trace:
 
 
 # -- tracing -----------------------------------------------------------------------------------------
-class TraceState:
+class TraceState(StateRoles):
     """What the program gets as `s` while traced: ProgramState's interface, recording nodes."""
 
     def __init__(self, trace: Trace, stream: int, variables: dict[str | None, Node]) -> None:
@@ -265,30 +266,6 @@ class TraceState:
 
     def sync(self) -> None:
         """Nothing runs while tracing: nothing to wait for."""
-
-    def _role(self, role: str, expr: Any = None) -> Any:
-        if expr is not None:
-            self += ir.RoleBegin(role) + expr + ir.RoleEnd(role)
-            return None
-        return self._scope(ir.RoleBegin(role), ir.RoleEnd(role))
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
-
-    def var_scope(self, name: str) -> Any:
-        return self._scope(ir.VarScopeBegin(name), ir.VarScopeEnd(name))
-
-    @contextmanager
-    def _scope(self, begin: ir.Expr, end: ir.Expr) -> Iterator[None]:
-        self += begin
-        yield
-        self += end
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> TraceForkGroup:
         if position_ids_offset is not None:
