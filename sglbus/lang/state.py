@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from sglbus.lang.branches import check_join_mode, per_branch
 from sglbus.lang.interpreter import StreamExecutor
 from sglbus.lang.roles import StateRoles
 
@@ -130,23 +131,14 @@ class ForkGroup:
 
     def __iadd__(self, other: Callable[[int], Any] | list[Any] | tuple[Any, ...] | Any) -> ForkGroup:
         """A function of the branch index, one item per branch, or the same thing for all."""
-        if isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} items for {len(self.states)} branches")
-            items = list(other)
-        elif callable(other):
-            items = [other(i) for i in range(len(self.states))]
-        else:
-            items = [other] * len(self.states)
-        for state, item in zip(self.states, items, strict=True):
+        for state, item in zip(self.states, per_branch(other, len(self.states)), strict=True):
             state += item
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
         """gather_variable: each variable a branch made becomes a list in the parent, one item per
         branch; concate_and_append: the branches' new text is appended to the parent, in order."""
-        if mode not in ("gather_variable", "concate_and_append"):
-            raise ValueError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+        check_join_mode(mode)
         for state in self.states:
             state.stream_executor.end()
             state.sync()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from sglbus.lang import ir
+from sglbus.lang.branches import check_join_mode, per_branch
 from sglbus.lang.roles import StateRoles
 
 if TYPE_CHECKING:
@@ -307,21 +308,12 @@ class TraceForkGroup:
         return iter(self.states)
 
     def __iadd__(self, other: Any) -> TraceForkGroup:
-        if isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} items for {len(self.states)} branches")
-            items = list(other)
-        elif callable(other):
-            items = [other(i) for i in range(len(self.states))]
-        else:
-            items = [other] * len(self.states)
-        for state, item in zip(self.states, items, strict=True):
+        for state, item in zip(self.states, per_branch(other, len(self.states)), strict=True):
             state += item
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
-        if mode not in ("gather_variable", "concate_and_append"):
-            raise ValueError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+        check_join_mode(mode)
         parent, trace = self.parent, self.parent.trace
         ends = [trace.last(s.stream) for s in self.states]
         gathered: list[str | None] = []
