@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sglbus.lang import ir
 from sglbus.lang.function import _thread_count
 from sglbus.lang.interpreter import StreamExecutor
-from sglbus.lang.params import SamplingParams, run_defaults
+from sglbus.lang.params import RUN_DEFAULTS, SamplingParams, run_defaults
 from sglbus.lang.state import ProgramState
 
 if TYPE_CHECKING:
@@ -30,14 +30,6 @@ if TYPE_CHECKING:
     from sglbus.lang.function import Function
 
 from sglbus.lang.tracer import Argument, Fork, Join, Node, SetVar, Trace, VarRef, trace_function
-
-# what run / run_batch take besides the program's arguments: the defaults of every gen (Function.run's)
-RUN_DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 128, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 1.0,
-    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "ignore_eos": False, "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None,
-    "return_text_in_logprobs": None,
-}  # fmt: skip
 
 
 # -- running the graph -------------------------------------------------------------------------------

@@ -58,6 +58,15 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+# what run / run_batch take besides the program's arguments: the defaults of every gen (Function.run's)
+RUN_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 1.0,
+    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "ignore_eos": False, "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None,
+    "return_text_in_logprobs": None,
+}  # fmt: skip
+
+
 def run_defaults(**values: Any) -> SamplingParams:
     """The defaults `run` / `run_batch` give every `gen` of the program, checked."""
     return checked("run", **values)
