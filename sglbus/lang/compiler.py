@@ -91,7 +91,9 @@ class _Instance:
         ex, step = self.executors[node.stream], node.step
         if isinstance(step, Fork):
             for b in step.branches:
-                self.executors[b] = _branch(ex)
+                # no prefix-cache hint (StreamExecutor.fork sends one): the branches' calls go out in
+                # one batch, and the runtime shares their common prefix within a batch
+                self.executors[b] = ex.branch(threaded=False)
         elif isinstance(step, Join):
             _join(ex, [self.executors[b] for b in step.branches], step.mode)
         elif isinstance(step, SetVar):
@@ -117,17 +119,6 @@ class _Instance:
             ex.text_ += result.decision
             ex.variables[name], ex.meta_info[name] = result.decision, result.meta_info
         self.finish(node)
-
-
-def _branch(parent: StreamExecutor) -> StreamExecutor:
-    """StreamExecutor.fork for one branch, without its prefix-cache hint: the branches' calls go out in
-    one batch, and the runtime shares their common prefix within a batch."""
-    child = StreamExecutor(parent.backend, parent.defaults, False, parent.chat_template, threaded=False)
-    child.text_, child.messages_ = parent.text_, list(parent.messages_)
-    child.variables, child.meta_info = dict(parent.variables), dict(parent.meta_info)
-    child.role, child.role_start, child.fork_start = parent.role, parent.role_start, len(parent.text_)
-    child.error_ = parent.error_
-    return child
 
 
 def _join(parent: StreamExecutor, branches: list[StreamExecutor], mode: str) -> None:

@@ -144,17 +144,17 @@ class StreamExecutor:
         if size > 1 and self.text_ and self.error_ is None:
             # a hint: the branches share this prefix; the runtime caches it once for all of them
             self.backend.cache_prefix(self.text_)
-        children = []
-        for _ in range(size):
-            child = StreamExecutor(self.backend, self.defaults, self.stream, self.chat_template,
-                                   threaded=self._queue is not None,
-                                   num_api_spec_tokens=self.num_api_spec_tokens)  # fmt: skip
-            child.text_, child.messages_ = self.text_, list(self.messages_)
-            child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
-            child.role, child.role_start, child.fork_start = self.role, self.role_start, len(self.text_)
-            child.error_ = self.error_
-            children.append(child)
-        return children
+        return [self.branch(self._queue is not None) for _ in range(size)]
+
+    def branch(self, threaded: bool) -> StreamExecutor:
+        """One branch of a fork: a new executor that starts from this one's text, roles and variables."""
+        child = StreamExecutor(self.backend, self.defaults, self.stream, self.chat_template,
+                               threaded=threaded, num_api_spec_tokens=self.num_api_spec_tokens)  # fmt: skip
+        child.text_, child.messages_ = self.text_, list(self.messages_)
+        child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
+        child.role, child.role_start, child.fork_start = self.role, self.role_start, len(self.text_)
+        child.error_ = self.error_
+        return child
 
     def iter_text(self, var_name: str | None = None) -> Iterator[str]:
         """New text as it arrives: of the whole state, or of one variable, until it is complete."""
