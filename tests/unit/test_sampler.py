@@ -100,3 +100,25 @@ def test_rows_without_finite_logits_get_minus_one_and_leave_their_neighbours_alo
         assert out[1:3] == [3, 4] and out[3] % 2 == 1 and out[4:] == [-1, -1]
         alone = sample(good.unsqueeze(0), SamplingInfo.build([seeded], V, "cpu"), pos[:1])
         assert out[0] == alone.item()
+
+
+def test_the_overlap_path_repairs_in_place_as_the_checked_path_does():
+    """check=False (overlap scheduling) repairs without looking first; same ids as check=True."""
+    torch.manual_seed(3)
+    rows = torch.randn(6, V)
+    rows[1, 3] = float("inf")
+    rows[2, 4] = 1e35
+    rows[3, ::2] = float("nan")
+    rows[4] = float("nan")
+    rows[5] = float("-inf")
+    rows[0, 6] = -1e35  # finite, past the cap: allowed (as -cap), not banned
+    greedy = SamplingInfo.build([SamplingParams(temperature=0)] * 6, V, "cpu")
+    pos = torch.zeros(6, 1, dtype=torch.int64)
+    checked = sample(rows.clone(), greedy, pos)
+    scratch = rows.clone()
+    assert torch.equal(sample(scratch, greedy, pos, check=False), checked)
+    assert checked.tolist()[1:] == [3, 4, rows[3].nan_to_num(float("-inf")).argmax().item(), -1, -1]
+    assert not scratch.isnan().any() and scratch.max() <= 1e30 and (scratch[4:] == 0).all()
+    low = torch.full((1, V), float("-inf"))
+    low[0, 5] = -1e35
+    assert sample(low, greedy, pos[:1], check=False).item() == 5

@@ -80,17 +80,31 @@ def sample(
 ) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B], -1 for a row without a usable logit. `positions` [B, 1]
     int64: each row's output index, which keys the seeded noise. check=True looks on the host whether
-    any row needs repair first (a sync; the usual case then skips the repair); check=False always
-    repairs, on the device, so the draw never waits for the GPU (overlap scheduling)."""
+    any row needs repair first (a sync; the usual case then skips the repair); check=False never waits
+    for the GPU (overlap scheduling): an all-greedy batch on CUDA takes its ids from one kernel that
+    repairs as it reads, any other batch is repaired in place first. The logits are the caller's
+    scratch (the processors change them in place too): the repair may write into them."""
     if check:
         top, greedy_ids = logits.max(dim=-1)  # top is NaN where the row has one
         if bool(((top > -_LOGIT_CAP) & (top < _LOGIT_CAP)).all()):  # the usual case: nothing to repair
             return _draw(logits, info, positions, greedy_ids)
-    banned = logits.isnan() | (logits == float("-inf"))
-    dead = banned.all(dim=-1)
-    fixed = logits.clamp(-_LOGIT_CAP, _LOGIT_CAP).masked_fill(banned, float("-inf"))
-    fixed.masked_fill_(dead.unsqueeze(1), 0.0)  # a dead row draws anything; its token is replaced
-    return _draw(fixed, info, positions, fixed.argmax(dim=-1)).masked_fill(dead, -1)
+    elif info.all_greedy and logits.is_cuda:
+        from kernels.greedy_argmax import greedy_argmax
+
+        return greedy_argmax(logits, _LOGIT_CAP)
+    dead = _repair_(logits)
+    return _draw(logits, info, positions, logits.argmax(dim=-1)).masked_fill(dead, -1)
+
+
+def _repair_(logits: torch.Tensor) -> torch.Tensor:
+    """In place: NaN bans its token, +inf and finite values past +-_LOGIT_CAP become +-_LOGIT_CAP, -inf
+    stays banned; a row left with nothing allowed becomes all zeros (it draws anything; the caller
+    replaces its token). Returns those rows, [B] bool."""
+    logits.nan_to_num_(nan=float("-inf"), posinf=_LOGIT_CAP, neginf=float("-inf")).clamp_(max=_LOGIT_CAP)
+    logits.masked_fill_((logits < -_LOGIT_CAP) & (logits > float("-inf")), -_LOGIT_CAP)
+    dead = (logits == float("-inf")).all(dim=-1)
+    logits.masked_fill_(dead.unsqueeze(1), 0.0)
+    return dead
 
 
 def _draw(
