@@ -69,7 +69,7 @@ class EngineConfig:
         "auto", "attention implementation; auto: triton on GPU, torch on CPU", ATTENTION_BACKENDS
     )
     cuda_graph_max_bs: int = option(
-        512, "largest decode batch replayed from a CUDA graph (GPU only; never above max_running_requests)"
+        4096, "largest decode batch replayed from a CUDA graph (GPU only; never above max_running_requests)"
     )
     disable_cuda_graph: bool = option(False, "run every decode step eagerly (GPU only; for comparison)")
     disable_overlap_schedule: bool | None = option(

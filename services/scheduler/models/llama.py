@@ -124,9 +124,12 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> LogitsOutput:
+    def forward(
+        self, fb: ForwardBatch, attn: AttentionBackend, logits_out: torch.Tensor | None = None
+    ) -> LogitsOutput:
         """Float32 logits for the tokens that sample (fb.logits_idx; every token when None), and the
-        final hidden states of fb.lp_idx for prompt logprobs (turned into logits later, in slices)."""
+        final hidden states of fb.lp_idx for prompt logprobs (turned into logits later, in slices).
+        logits_out: write the logits there (the CUDA graphs' one static buffer) instead of a new tensor."""
         ctx = _Context(self.ops, self.rotary, attn)
         x, residual = F.embedding(fb.input_ids, self.embed_tokens), None
         for layer in self.layers:
@@ -136,12 +139,16 @@ class LlamaForCausalLM(nn.Module):
         if fb.lp_idx is not None:
             lp_hidden = self.ops.rms_norm(x[fb.lp_idx], self.norm.weight, self.norm.eps)
         last = x if fb.logits_idx is None else x[fb.logits_idx]
-        return LogitsOutput(self.logits(self.ops.rms_norm(last, self.norm.weight, self.norm.eps)), lp_hidden)
+        hidden = self.ops.rms_norm(last, self.norm.weight, self.norm.eps)
+        return LogitsOutput(self.logits(hidden, logits_out), lp_hidden)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states [N, H] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states [N, H] -> float32 logits [N, vocab] (into `out` when given)."""
+        logits = F.linear(hidden, self.lm_head)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     # -- weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
