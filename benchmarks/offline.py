@@ -26,7 +26,7 @@ import sglbus
 from benchmarks.hf_baseline import run_hf
 from benchmarks.launch import append_result
 from benchmarks.stack_profile import StackProfile
-from benchmarks.step_trace import summarize, triton_variants
+from benchmarks.step_trace import summarize, summarize_laps, triton_variants
 from benchmarks.workloads import Workload, add_workload_args, build_workload, optimal_hit_rate
 from services.scheduler.model_runner import resolve_device
 from shared.config import EngineConfig, add_cli_args, cli_overrides
@@ -106,7 +106,7 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
             if "min_new_tokens" in p:
                 p["min_new_tokens"] = min(p["min_new_tokens"], p["max_new_tokens"])
         if args.step_trace:
-            engine._on_scheduler(lambda s: setattr(s.timer, "trace", []))
+            engine._on_scheduler(lambda s: (setattr(s.timer, "trace", []), setattr(s.timer, "laps", [])))
         alloc_before = _allocator_counts()
         if args.torch_profile:
             engine._on_scheduler(_start_torch_profile)
@@ -121,6 +121,9 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         if args.torch_profile:
             print(engine._on_scheduler(_stop_torch_profile))
         trace = engine._on_scheduler(lambda s: s.timer.trace) if args.step_trace else None
+        if args.step_trace:
+            print(f"KV pool {before['max_total_tokens']} tokens")
+            print(summarize_laps(engine._on_scheduler(lambda s: s.timer.laps)))
         if trace:  # (empty on CPU: no device timing there)
             print(summarize(trace))
             print(engine._on_scheduler(lambda s: triton_variants()))

@@ -6,6 +6,12 @@ output rows. On a GPU with overlap scheduling this time hides behind the device'
 stays below the forward's; it grows linearly with the batch.
 
     python -m benchmarks.scheduler_cpu --batch-sizes 256 1024 2048
+    python -m benchmarks.scheduler_cpu --seed-workload 3000    # the seed's lengths, start to end
+
+`--seed-workload N` runs N requests with the seed workload's lengths (input 1-256, output 1-512
+tokens, all submitted at once, overlap scheduling on) through admission, chunked prefill, decode and
+finishing, and prints the host time of each step phase by step kind and batch size
+(StepTimer.laps): the same table `benchmarks.offline --step-trace` prints on a GPU.
 """
 
 from __future__ import annotations
@@ -31,12 +37,12 @@ VOCAB = 64
 class NoModel:
     """A runner whose forward returns logits at once: the next token is the last one + 1."""
 
-    def __init__(self, batch: int, context: int) -> None:
+    def __init__(self, batch: int, context: int, kv_tokens: int | None = None, overlap: bool = False) -> None:
         self.device, self.context_len = torch.device("cpu"), context
-        self.max_running_requests, self.chunked_prefill_size, self.overlap_schedule = batch, 8192, False
+        self.max_running_requests, self.chunked_prefill_size, self.overlap_schedule = batch, 8192, overlap
         self.model_config = SimpleNamespace(eos_token_ids=(VOCAB - 1,), vocab_size=VOCAB)
         shape = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
-        self.kv = KVPool(shape, batch * context, torch.float32, "cpu")
+        self.kv = KVPool(shape, kv_tokens or batch * context, torch.float32, "cpu")
         self.req_to_token = ReqToTokenPool(batch + 8, context + 1, "cpu")
         self.model = SimpleNamespace(logits=lambda hidden: hidden)
 
@@ -63,11 +69,39 @@ def step_ms(batch: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def seed_workload(n: int, kv_tokens: int) -> tuple[float, int, str]:
+    """Seconds, steps and the laps table of n seed-workload requests from submission to the end."""
+    import random
+
+    from benchmarks.step_trace import summarize_laps
+
+    rng = random.Random(0)
+    sched = Scheduler(EngineConfig(max_running_requests=4096), NoModel(4096, 1024, kv_tokens, overlap=True))
+    for i in range(n):
+        params = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 512), ignore_eos=True)
+        ids = [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(1, 256))]
+        sched.add_request(GenerateReq(rid=f"r{i}", input_ids=ids, sampling=params, out_subject="x"))
+    sched.timer.laps = []
+    t0 = time.perf_counter()
+    steps = 0
+    while sched.has_work:
+        sched.step()
+        steps += 1
+    return time.perf_counter() - t0, steps, summarize_laps(sched.timer.laps)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seed-workload", type=int, default=0, metavar="N", help="N requests of the seed's lengths")
+    p.add_argument("--kv-tokens", type=int, default=850_000, help="KV pool of the seed workload run")
     args = p.parse_args(argv)
+    if args.seed_workload:
+        seconds, steps, table = seed_workload(args.seed_workload, args.kv_tokens)
+        print(table)
+        print(f"{args.seed_workload} requests, {steps} steps, {seconds:.2f} s of host time")
+        return 0
     print(f"{'batch':>6} {'ms per step':>12} {'us per request':>15}")
     for b in args.batch_sizes:
         ms = step_ms(b, args.steps)

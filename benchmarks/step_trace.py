@@ -45,6 +45,26 @@ def summarize(trace: list[tuple[str, int, int, float, float]]) -> str:
     return "\n".join(lines)
 
 
+def summarize_laps(laps: list[tuple[str, int, dict[str, float]]]) -> str:
+    """The scheduler thread's host time per step, by phase (StepTimer.lap), grouped as `summarize`
+    groups the steps: mean ms per step in each phase; `wait` is the wait for the step's ids (the
+    device's work showing through), the rest is host work that must hide behind the next step."""
+    from services.scheduler.step_timer import HOST_PHASES
+
+    groups: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
+    for kind, reqs, phases in laps:
+        groups[(kind, _bucket(reqs))].append(phases)
+    head = f"{'host ms':<8}{'requests':>11}{'steps':>7}" + "".join(f"{p:>10}" for p in HOST_PHASES)
+    lines = [head]
+    for key in sorted(groups):
+        rows = groups[key]
+        means = [1000 * sum(r.get(p, 0.0) for r in rows) / len(rows) for p in HOST_PHASES]
+        lines.append(f"{key[0]:<8}{_label(key[1]):>11}{len(rows):>7}" + "".join(f"{m:>10.2f}" for m in means))
+    totals = {p: sum(r.get(p, 0.0) for *_, r in laps) for p in HOST_PHASES}
+    lines.append("host s in all: " + ", ".join(f"{p} {t:.2f}" for p, t in totals.items()))
+    return "\n".join(lines)
+
+
 def triton_variants() -> str:
     """How many variants of each Triton kernel in kernels/ this process has compiled, e.g.
     `_extend_kernel 1`: more than one per kernel for a fixed model means per-step specialisation."""

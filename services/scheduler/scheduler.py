@@ -34,7 +34,7 @@ from services.scheduler.cascade import CascadePlanner
 from services.scheduler.constrained.admission import GrammarAdmission
 from services.scheduler.constrained.grammar import GrammarError
 from services.scheduler.constrained.jump_forward import GrammarDecode
-from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.host_copy import to_device
 from services.scheduler.intake import RequestIntake
 from services.scheduler.model_runner import ModelRunner
@@ -117,9 +117,11 @@ class Scheduler(RequestIntake):
         back and are processed, so the host work of one step hides behind the device work of the
         next. Without it, a step is launched and completed at once."""
         t0 = time.perf_counter()
+        self.timer.lap_begin()
         self._release_finished()
         self._step_check = None
         batch = self._schedule()
+        self.timer.lap("schedule")
         # a constrained request decoding the token in flight: its mask needs that token, so the step
         # in flight is completed between this step's forward and its sampling
         defer = (
@@ -136,6 +138,7 @@ class Scheduler(RequestIntake):
         if done is not None:
             self._complete(done)
         self._release_finished()
+        self.timer.lap("release")
         self.stats["step_s"] += time.perf_counter() - t0
         return self.take_output()
 
@@ -156,6 +159,9 @@ class Scheduler(RequestIntake):
                 continue
             self._retract(self.running[-1])
         batch: list[Req] = []
+        short = need - (self.kv.free_count - self._promised)
+        if short > 0:  # one eviction for the whole step (per request, every step of a full pool paid one)
+            self.tree.evict(short)
         if need <= self.kv.free_count - self._promised:  # the usual case: promise the slots at once
             self._promised += need
             for r, n in plan:
@@ -301,13 +307,17 @@ class Scheduler(RequestIntake):
         cascade = self.cascade.plan(decodes) if self.cascade else None
         fb = ForwardBatch.build(step.ids, step.rows, step.prefix_lens, step.extend_lens, loc, logits_idx,
                                 step.lp_idx, self.runner.device, cascade)  # fmt: skip
-        # the new tokens' slots into their rows of req_to_token, one scatter for the batch
-        rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=step.num_tokens)
+        # the new tokens' slots into their rows of req_to_token, one scatter for the batch (a decode
+        # batch has one token per row: no repeat_interleave, which may read its repeats on the host)
+        rows = fb.req_pool_indices
+        if fb.mode is not ForwardMode.DECODE:
+            rows = torch.repeat_interleave(rows, fb.extend_lens, output_size=step.num_tokens)
         self.req_to_token.table[rows, fb.positions] = loc
         if step.from_flight:
             assert self._inflight is not None and self._inflight.drawn is not None
-            pairs = to_device(step.from_flight, torch.int64, self.runner.device)  # (token, row in flight)
-            fb.input_ids[pairs[:, 0]] = self._inflight.drawn.safe[pairs[:, 1]]
+            n = len(step.from_flight)
+            pairs = to_device(step.from_flight + step.flight_rows, torch.int64, self.runner.device)
+            fb.input_ids[pairs[:n]] = self._inflight.drawn.safe[pairs[n:]]  # token index <- row in flight
         return fb, step.samplers, step.lp_reqs
 
     def _launch(self, batch: list[Req], defer: bool = False) -> _Step:
@@ -318,11 +328,13 @@ class Scheduler(RequestIntake):
         decodes = [r for r in batch if r.extend_len == 1]
         batch = decodes + [r for r in batch if r.extend_len != 1]
         fb, samplers, lp_reqs = self._forward_batch(batch, decodes)
+        self.timer.lap("batch", fb.mode, fb.batch_size)
         t1 = time.perf_counter()
         start = self.timer.begin()
         out = self.runner.forward(fb)
         if lp_reqs:
             self.sampling.input_logprobs(out.lp_hidden, lp_reqs)
+        self.timer.lap("forward")
         number = self.stats["steps"]
         self.stats["steps"] += 1
         self.stats["overlapped_steps"] += self._inflight is not None  # launched while another runs
@@ -345,6 +357,7 @@ class Scheduler(RequestIntake):
         drawn = self.sampling.launch(logits, samplers, sync=not self.overlap) if samplers else None
         marks = self.timer.end(start, fb.mode, fb.batch_size, fb.num_tokens)
         self.stats["forward_s"] += time.perf_counter() - t1
+        self.timer.lap("sample")
         for j, r in enumerate(samplers):
             r.pending, r.pending_at, r.pending_step = 1, j, number
         self._step_slots = None
@@ -362,6 +375,7 @@ class Scheduler(RequestIntake):
         failed or was aborted since the launch drops its token."""
         tokens = self.sampling.finish(st.drawn) if st.drawn is not None else []
         self.timer.collect(st.marks)
+        self.timer.lap("wait")
         generated = 0
         for r, tok in zip(st.samplers, tokens, strict=True):
             if r.pending_step == st.number:  # else its token of the next step, launched already, waits
@@ -387,6 +401,7 @@ class Scheduler(RequestIntake):
                 self.tree.cache_unfinished(r, min(n, r.num_computed))
         if len(st.prefilled) < len(st.batch):
             self._log.decode_step(self, generated)
+        self.timer.lap("complete")
 
     def _release_finished(self) -> None:
         if any(r.finish for r in self.running):

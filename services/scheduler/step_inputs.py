@@ -20,7 +20,9 @@ class StepInputs:
     logits_idx: list[int] = field(default_factory=list)
     lp_idx: list[int] = field(default_factory=list)
     lp_reqs: list[tuple[Req, int]] = field(default_factory=list)  # owing prompt logprobs: (req, count)
-    from_flight: list[tuple[int, int]] = field(default_factory=list)  # (token index, row in flight)
+    # tokens the step in flight drew: their indices here, then the rows of that step's draw (flat)
+    from_flight: list[int] = field(default_factory=list)
+    flight_rows: list[int] = field(default_factory=list)
     num_tokens: int = 0
 
     @classmethod
@@ -34,7 +36,8 @@ class StepInputs:
             s.extend_lens.append(n)
             p = len(r.prompt)
             if r.pending:  # decodes the token the step in flight drew: filled in on the device
-                s.from_flight.append((start, r.pending_at))
+                s.from_flight.append(start)
+                s.flight_rows.append(r.pending_at)
                 s.ids.append(0)
             elif n == 1:
                 s.ids.append(r.prompt[c] if c < p else r.output[c - p])

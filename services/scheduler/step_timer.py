@@ -6,10 +6,15 @@ forward is synchronous and `forward_s` already is the device time; nothing is re
 
 With `trace` set to a list, each step also appends (mode, requests, tokens, device s, idle s before
 it): the idle time is the GPU's wait between the previous step's end and this one's start, i.e. host
-work that did not hide behind the device's (`python -m benchmarks.offline --step-trace`)."""
+work that did not hide behind the device's (`python -m benchmarks.offline --step-trace`). With `laps`
+set to a list as well, each step appends (kind, requests, {phase: host s}): where the scheduler thread's
+time went, phase by phase (`lap`; `HOST_PHASES` in order), which says what to cut when the GPU idles.
+"""
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -17,6 +22,8 @@ import torch
 from services.scheduler.forward_batch import ForwardMode
 
 Marks = tuple[torch.cuda.Event, torch.cuda.Event, ForwardMode, int, int]
+# the scheduler thread's phases, in step order; "between" is the service's work between two steps
+HOST_PHASES = ("between", "schedule", "batch", "forward", "sample", "wait", "complete", "release")
 
 
 class StepTimer:
@@ -25,6 +32,10 @@ class StepTimer:
         self.stats = stats
         self.trace: list[tuple[str, int, int, float, float]] | None = None
         self._last: torch.cuda.Event | None = None  # the previous step's end, for the trace's idle time
+        self.laps: list[tuple[str, int, dict[str, float]]] | None = None
+        self._lap_t = 0.0
+        self._step_laps: defaultdict[str, float] = defaultdict(float)
+        self._step: tuple[str, int] = ("none", 0)  # the launched step's kind and requests
         for key in ("device_s", "device_decode_s", "device_extend_s", "decode_steps", "extend_steps"):
             stats[key] = 0 if key.endswith("steps") else 0.0
 
@@ -58,3 +69,21 @@ class StepTimer:
             idle = self._last.elapsed_time(start) / 1000 if self._last is not None else 0.0
             self.trace.append((kind, requests, tokens, s, idle))
         self._last = stop
+
+    # -- host phases (only while `laps` is a list) -----------------------------------------------
+    def lap_begin(self) -> None:
+        if self.laps is not None:
+            now = time.perf_counter()
+            if self._step_laps:
+                self._step_laps["between"] += now - self._lap_t
+                self.laps.append((*self._step, dict(self._step_laps)))
+            self._step_laps, self._step, self._lap_t = defaultdict(float), ("none", 0), now
+
+    def lap(self, phase: str, mode: ForwardMode | None = None, requests: int = 0) -> None:
+        """The host time since the last lap goes to `phase`; `mode`, `requests`: the launched step's."""
+        if self.laps is not None:
+            now = time.perf_counter()
+            self._step_laps[phase] += now - self._lap_t
+            self._lap_t = now
+            if mode is not None:
+                self._step = ("decode" if mode is ForwardMode.DECODE else "extend", requests)

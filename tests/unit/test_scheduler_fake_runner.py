@@ -336,3 +336,28 @@ def test_dropping_a_member_drops_its_whole_delivery_once():
     assert sched.known_rids(["warm", "s0", "s1", "other"]) == ["other"]
     got = run(sched)
     assert set(got) == {"other"}
+
+
+def test_a_full_pool_evicts_once_per_step_for_all_its_decodes(monkeypatch):
+    """Decodes that need more slots than are free take them from the cache in one eviction per step
+    (per request, a full pool paid one eviction, each heapifying every cache leaf), and every output
+    and the KV invariant stay right."""
+    sched = make(pool=200, context=64)
+    for i in range(8):  # 8 finished requests leave ~20 tokens each in the cache
+        sched.add_request(msg(f"warm{i}", [10 + i] * 16, max_new_tokens=4))
+    run(sched)
+    assert sched.kv.free_count < 60 and sched.tree.evictable_size() > 140
+    calls: list[int] = []
+    evict = sched.tree.evict
+
+    def counted(n: int) -> int:
+        calls.append(sched.stats["steps"])
+        return evict(n)
+
+    monkeypatch.setattr(sched.tree, "evict", counted)
+    prompts = {f"r{i}": [30 + i, 31 + i, 32 + i] for i in range(8)}
+    for rid, p in prompts.items():
+        sched.add_request(msg(rid, p, max_new_tokens=12))
+    got = run(sched)
+    assert all(got[rid]["tokens"] == expected(p, 12) for rid, p in prompts.items())
+    assert calls and max(calls.count(s) for s in set(calls)) == 1  # at most one eviction a step
