@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--seed-workload", type=int, default=0, metavar="N", help="N requests of the seed's lengths")
+    seed_help = "N requests of the seed workload's lengths"
+    p.add_argument("--seed-workload", type=int, default=0, metavar="N", help=seed_help)
     p.add_argument("--kv-tokens", type=int, default=850_000, help="KV pool of the seed workload run")
     args = p.parse_args(argv)
     if args.seed_workload:

@@ -40,7 +40,9 @@ _CPU_MAX_RUNNING = 64
 _GPU_MAX_RUNNING = 4096
 
 
-def _build_model(cls: type, mc: ModelConfig, ctx: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def _build_model(
+    cls: type, mc: ModelConfig, ctx: int, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
     """The model's parameters allocated on `device` in `dtype` from the start: built in float32 and
     cast, an 8B model would take 32 GB more at its peak, and the cast leaves that much in the CUDA
     allocator's cache, which the KV pool's sizing would count as used (a pool of ~600k tokens on an

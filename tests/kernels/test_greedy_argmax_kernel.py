@@ -33,7 +33,8 @@ def test_kernel_picks_what_the_torch_sampler_picks(dtype, vocab):
     logits[8, 0] = float("-inf")
     logits = logits.to(dtype)
     pos = torch.zeros(9, 1, dtype=torch.int64)
-    want = sample(logits.float().clone(), SamplingInfo.build([SamplingParams(temperature=0)] * 9, vocab, "cpu"), pos)
+    greedy = SamplingInfo.build([SamplingParams(temperature=0)] * 9, vocab, "cpu")
+    want = sample(logits.float().clone(), greedy, pos)
     got = greedy_argmax(logits.to(DEVICE), _LOGIT_CAP).cpu()
     assert got.tolist() == want.tolist()
     assert got[[1, 2, 4, 5, 6, 7]].tolist() == [vocab // 2, 3, -1, -1, vocab - 2, 1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.scheduler.sampling.sampler import SamplingInfo, sample
@@ -122,3 +123,22 @@ def test_the_overlap_path_repairs_in_place_as_the_checked_path_does():
     low = torch.full((1, V), float("-inf"))
     low[0, 5] = -1e35
     assert sample(low, greedy, pos[:1], check=False).item() == 5
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_draw_in_slices_of_rows_gives_the_draw_in_one_go(monkeypatch, check):
+    """Past DRAW_SLICE_LOGITS a sampled batch is drawn a slice of rows at a time (bounded memory):
+    seeded and greedy rows (the deterministic ones) come out as in one go, dead rows still -1."""
+    import services.scheduler.sampling.sampler as sampler_module
+
+    torch.manual_seed(4)
+    rows = torch.randn(11, V) * 3
+    rows[7] = float("nan")
+    seeded = [SamplingParams(temperature=0.7, top_p=0.9, sampling_seed=i) for i in range(11)]
+    params = [p if i % 3 else SamplingParams(temperature=0) for i, p in enumerate(seeded)]
+    info = SamplingInfo.build(params, V, "cpu")
+    pos = torch.arange(11).unsqueeze(1)
+    whole = sample(rows.clone(), info, pos, check=check)
+    monkeypatch.setattr(sampler_module, "DRAW_SLICE_LOGITS", 3 * V)  # slices of 3 rows
+    sliced = sample(rows.clone(), info, pos, check=check)
+    assert torch.equal(sliced, whole) and whole[7].item() == -1

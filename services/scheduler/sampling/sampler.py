@@ -27,6 +27,11 @@ SEED_MODULUS = 1 << 63
 # a repaired row's logits stay within +-_LOGIT_CAP: divided by any non-greedy temperature they stay finite
 _LOGIT_CAP = 1e30
 assert _LOGIT_CAP / GREEDY_TEMPERATURE < torch.finfo(torch.float32).max
+# a sampled draw makes [rows, vocab] temporaries (probabilities, a sort and its int64 order, seeded
+# noise in int64 and float64): past this many logits it runs in slices of rows, so its memory stays
+# ~2.5 GB at most whatever the batch (2,400 rows of a 128k vocabulary would take ~20 GB at once, more
+# than the KV pool leaves free on a GPU)
+DRAW_SLICE_LOGITS = 1 << 26
 
 
 @dataclass
@@ -42,6 +47,14 @@ class SamplingInfo:
     need_sort: bool
     need_min_p: bool
     any_seeded: bool
+
+    def rows(self, a: int, b: int) -> SamplingInfo:
+        """Rows a..b-1 (the batch-wide flags stay: they only ever allow more work than needed)."""
+        return SamplingInfo(
+            self.temperatures[a:b], self.top_ks[a:b], self.top_ps[a:b], self.min_ps[a:b], self.greedy[a:b],
+            self.seeds[a:b], self.seeded[a:b], self.all_greedy, self.need_sort, self.need_min_p,
+            self.any_seeded,
+        )  # fmt: skip
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SamplingInfo:
@@ -87,11 +100,27 @@ def sample(
     if check:
         top, greedy_ids = logits.max(dim=-1)  # top is NaN where the row has one
         if bool(((top > -_LOGIT_CAP) & (top < _LOGIT_CAP)).all()):  # the usual case: nothing to repair
-            return _draw(logits, info, positions, greedy_ids)
+            if info.all_greedy:
+                return greedy_ids
+            rows = lambda a, b: _draw(logits[a:b], info.rows(a, b), positions[a:b], greedy_ids[a:b])  # noqa: E731
+            return _by_slices(rows, logits.shape)
     elif info.all_greedy and logits.is_cuda:
         from kernels.greedy_argmax import greedy_argmax
 
         return greedy_argmax(logits, _LOGIT_CAP)
+    return _by_slices(lambda a, b: _repaired_draw(logits[a:b], info.rows(a, b), positions[a:b]), logits.shape)
+
+
+def _by_slices(draw, shape: torch.Size) -> torch.Tensor:
+    """draw(a, b) -> ids of rows a..b-1, over slices of at most DRAW_SLICE_LOGITS logits."""
+    rows, vocab = shape
+    step = max(1, DRAW_SLICE_LOGITS // max(vocab, 1))
+    if rows <= step:
+        return draw(0, rows)
+    return torch.cat([draw(a, min(a + step, rows)) for a in range(0, rows, step)])
+
+
+def _repaired_draw(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
     dead = _repair_(logits)
     return _draw(logits, info, positions, logits.argmax(dim=-1)).masked_fill(dead, -1)
 
