@@ -75,8 +75,17 @@ def reference(logits: torch.Tensor, r: Req) -> torch.Tensor:
     return out
 
 
+@pytest.fixture(params=["whole", "slices"])
+def slices(request, monkeypatch):
+    """The dense penalties work on a batch at once, or (as past DRAW_SLICE_LOGITS) 2 rows at a time."""
+    if request.param == "slices":
+        import services.scheduler.sampling.dense_penalties as dense
+
+        monkeypatch.setattr(dense, "DRAW_SLICE_LOGITS", 2 * V)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-def test_mixed_batch_matches_the_reference_over_several_steps(impl):
+def test_mixed_batch_matches_the_reference_over_several_steps(impl, slices):
     rng = random.Random(0)
     reqs = [
         make_req("plain", 0, [1, 5, 7], []),

@@ -23,6 +23,7 @@ from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from services.scheduler.sampling.penalties import uses_counts
 from services.scheduler.sampling.processors import BatchPlan, LogitsProcessor
+from services.scheduler.sampling.sampler import DRAW_SLICE_LOGITS
 
 
 @dataclass
@@ -96,12 +97,18 @@ class DensePenaltyProcessor(LogitsProcessor):
         if plan is None:
             return
         self._write_admitted()
-        counts = self.counts[plan.rows]
-        rows = logits[plan.idx] - plan.freq * counts - plan.pres * (counts > 0)
-        if plan.rep is not None:
-            seen = (counts > 0) | self.prompt_seen[plan.rows]
-            rows = torch.where(seen, torch.where(rows > 0, rows / plan.rep, rows * plan.rep), rows)
-        logits[plan.idx] = rows
+        # in slices of rows, as the sampler draws: [U, vocab] temporaries of a 2,400-row batch would
+        # take ~8 GB at once
+        step = max(1, DRAW_SLICE_LOGITS // self.vocab_size)
+        for a in range(0, plan.idx.numel(), step):
+            idx, rows_of, b = plan.idx[a : a + step], plan.rows[a : a + step], a + step
+            counts = self.counts[rows_of]
+            rows = logits[idx] - plan.freq[a:b] * counts - plan.pres[a:b] * (counts > 0)
+            if plan.rep is not None:
+                rep = plan.rep[a:b]
+                seen = (counts > 0) | self.prompt_seen[rows_of]
+                rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
+            logits[idx] = rows
 
     @torch.inference_mode()
     def on_sample(self, reqs: Sequence[Req], tokens: torch.Tensor) -> None:
