@@ -16,6 +16,7 @@ attention reads slots req_to_token[req_pool_indices[i], :seq_lens[i]].
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -73,32 +74,26 @@ class ForwardBatch:
         device: torch.device,
         cascade: CascadePlan | None = None,
     ) -> ForwardBatch:
-        """From host lists: one packed int64 tensor, one copy to the device, then views of it."""
+        """From host lists: one packed int64 tensor, one copy to the device, then views of it. The
+        arithmetic stays in Python lists (few torch calls: each releases the GIL, and a step's host work
+        waits up to the switch interval to get it back while another thread of the process runs)."""
         b, t = len(rows), len(input_ids)
-        ext = torch.tensor(extend_lens, dtype=torch.int64)
-        pre = torch.tensor(prefix_lens, dtype=torch.int64)
-        seq = pre + ext
-        starts = torch.cumsum(ext, 0) - ext
+        seq = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        starts = list(itertools.accumulate(extend_lens, initial=0))[:b]
         decode = t == b
-        ones = ext == 1
-        num_decode = b if decode else int(ones.cumprod(0).sum()) if b else 0
         if decode:
-            positions = pre
+            positions, num_decode = prefix_lens, b
         else:
-            positions = torch.arange(t) - torch.repeat_interleave(starts - pre, ext)
-        parts = [torch.tensor(input_ids, dtype=torch.int64), positions, torch.tensor(rows, dtype=torch.int64),
-                 seq, pre, ext, starts]  # fmt: skip
+            positions = [j for p, s in zip(prefix_lens, seq, strict=True) for j in range(p, s)]
+            num_decode = next((i for i, e in enumerate(extend_lens) if e != 1), b)
         n_logits = 0 if logits_idx is None else len(logits_idx)
-        if logits_idx:
-            parts.append(torch.tensor(logits_idx, dtype=torch.int64))
-        if lp_idx:
-            parts.append(torch.tensor(lp_idx, dtype=torch.int64))
-        dev = to_device(torch.cat(parts), torch.int64, device)
-        views, at = [], 0
-        for n in (t, t, b, b, b, b, b, n_logits, len(lp_idx)):
-            views.append(dev[at : at + n])
-            at += n
-        ids, pos, rows_d, seq_d, pre_d, ext_d, start_d, logits_d, lp_d = views
+        host = torch.tensor([*input_ids, *positions, *rows, *seq, *prefix_lens, *extend_lens, *starts,
+                             *(logits_idx or ()), *lp_idx], dtype=torch.int64)  # fmt: skip
+        sizes = (t, t, b, b, b, b, b, n_logits, len(lp_idx))
+        ids, pos, rows_d, seq_d, pre_d, ext_d, start_d, logits_d, lp_d = to_device(
+            host, torch.int64, device
+        ).split(sizes)
+        seq_cpu, ext_cpu = host[2 * t + b : 2 * t + 2 * b], host[2 * t + 3 * b : 2 * t + 4 * b]
         return cls(
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
             input_ids=ids,
@@ -111,9 +106,9 @@ class ForwardBatch:
             extend_start_loc=start_d,
             logits_idx=None if logits_idx is None else logits_d,
             lp_idx=lp_d if lp_idx else None,
-            seq_lens_cpu=seq,
-            extend_lens_cpu=ext,
-            max_extend_len=int(ext.max()) if b else 0,
+            seq_lens_cpu=seq_cpu,
+            extend_lens_cpu=ext_cpu,
+            max_extend_len=max(extend_lens, default=0),
             num_decode=num_decode,
             cascade=cascade,
         )

@@ -19,8 +19,11 @@ def test_mixed_batch_layout_and_leading_decodes():
     assert fb.num_decode == 2  # the one-token request after the prefill is not leading
     assert fb.positions.tolist() == [5, 7, 0, 1, 2, 3]
     assert fb.extend_start_loc.tolist() == [0, 1, 2, 5]
-    assert fb.seq_lens.tolist() == [6, 8, 3, 4]
-    assert fb.max_extend_len == 3
+    assert fb.seq_lens.tolist() == fb.seq_lens_cpu.tolist() == [6, 8, 3, 4]
+    assert fb.extend_lens.tolist() == fb.extend_lens_cpu.tolist() == [1, 1, 3, 1]
+    assert fb.prefix_lens.tolist() == [5, 7, 0, 3] and fb.req_pool_indices.tolist() == [0, 1, 2, 3]
+    assert fb.input_ids.tolist() == list(range(10, 16)) and fb.logits_idx.tolist() == [0, 1, 4, 5]
+    assert fb.max_extend_len == 3 and fb.lp_idx is None
 
 
 def test_decode_batch_is_all_decode_and_prefill_batch_none():
