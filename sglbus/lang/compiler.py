@@ -157,11 +157,9 @@ def _call_model(pool: ThreadPoolExecutor, backend: Backend, calls: list[tuple[_I
     batch = None
     if gens:
         executors = [i.executors[n.stream] for i, n in gens]
-        # _params: the gen's own values over run()'s defaults, plus the chat template's stops
-        params = [ex._params(n.step) for ex, (_, n) in zip(executors, gens, strict=True)]
-        # _prompt: the text so far, with the turns for a backend that talks in messages
-        batch = pool.submit(backend.generate_batch, [ex._prompt() for ex in executors], params)
-    chosen = [pool.submit(backend.select, i.executors[n.stream]._prompt(), n.step.choices, n.step.method)
+        params = [ex.gen_params(n.step) for ex, (_, n) in zip(executors, gens, strict=True)]
+        batch = pool.submit(backend.generate_batch, [ex.prompt() for ex in executors], params)
+    chosen = [pool.submit(backend.select, i.executors[n.stream].prompt(), n.step.choices, n.step.method)
               for i, n in selects]  # fmt: skip
     if batch is not None:
         try:

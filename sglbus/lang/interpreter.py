@@ -243,7 +243,8 @@ class StreamExecutor:
         else:
             raise TypeError(f"cannot execute {type(step).__name__}")
 
-    def _params(self, gen: ir.Gen) -> SamplingParams:
+    def gen_params(self, gen: ir.Gen) -> SamplingParams:
+        """The gen's own values over run()'s defaults, plus the chat template's stop strings."""
         params = gen.params.over(self.defaults)
         if self.chat_template.stop_str:
             stops = params.stops()
@@ -255,16 +256,16 @@ class StreamExecutor:
     def _gen(self, gen: ir.Gen) -> None:
         if self.tracing:
             raise StopTracing
-        params = self._params(gen)
+        params = self.gen_params(gen)
         if not self.stream:
             generate = self.backend.generate if self.speculation is None else self.speculation.generate
-            text, meta = generate(self._prompt(), params)
+            text, meta = generate(self.prompt(), params)
             with self._changed:  # n > 1: the variable holds every sample, the text goes on with the first
                 self.text_ += text[0] if isinstance(text, list) else text
                 self.variables[gen.name], self.meta_info[gen.name] = text, meta
             return
         self._append("", gen.name, new_var=True)
-        for delta, meta in self.backend.generate_stream(self._prompt(), params):
+        for delta, meta in self.backend.generate_stream(self.prompt(), params):
             self.meta_info[gen.name] = meta
             self._append(delta, gen.name)
 
@@ -272,12 +273,13 @@ class StreamExecutor:
         if self.tracing:
             raise StopTracing
         self._spec_reset()
-        decision = self.backend.select(self._prompt(), sel.choices, sel.method)
+        decision = self.backend.select(self.prompt(), sel.choices, sel.method)
         with self._changed:
             self.text_ += decision.decision
             self.variables[sel.name], self.meta_info[sel.name] = decision.decision, decision.meta_info
 
-    def _prompt(self) -> str:
+    def prompt(self) -> str:
+        """The text so far, with the turns for a backend that talks in messages (a ChatPrompt)."""
         if not getattr(self.backend, "is_chat_model", False):
             return self.text_
         return ChatPrompt(self.text_, tuple(self.messages_), self.role, self.text_[self.role_start :])

@@ -107,3 +107,13 @@ def test_import_sglbus_stays_cheap():
     code = "import sys, sglbus as sgl; sgl.function; sgl.RuntimeEndpoint; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_lazy_names_of_sglbus_are_the_names_of_sglbus_lang():
+    """`import sglbus as sgl` loads the language lazily from a list of its own (static, for linters):
+    it must stay the language's __all__."""
+    import sglbus
+    import sglbus.lang
+
+    assert list(sglbus._LANG) == list(sglbus.lang.__all__)
+    assert all(getattr(sglbus, name) is getattr(sglbus.lang, name) for name in sglbus._LANG)
