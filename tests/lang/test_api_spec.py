@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 import sglbus as sgl
-from sglbus.lang.backends.openai import after_prefix, chat_messages, consume, openai_kwargs, take
+from sglbus.lang.backends.openai import chat_messages, openai_kwargs
 from sglbus.lang.interpreter import ChatPrompt
 from sglbus.lang.params import checked
+from sglbus.lang.speculation import after_prefix, consume, take
 
 REPLY = "Name: Marie Curie\nBirthday: November 7, 1867\nJob: chemist"
 
