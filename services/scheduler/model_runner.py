@@ -43,18 +43,12 @@ _GPU_MAX_RUNNING = 4096
 def _build_model(
     cls: type, mc: ModelConfig, ctx: int, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
-    """The model's parameters allocated on `device` in `dtype` from the start: built in float32 and
-    cast, an 8B model would take 32 GB more at its peak, and the cast leaves that much in the CUDA
-    allocator's cache, which the KV pool's sizing would count as used (a pool of ~600k tokens on an
-    H200 instead of ~850k). Plain tensors the model computes in float32 (RoPE tables) stay float32."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(mc, ctx)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(dtype)
+    """The model with its parameters allocated on `device` in `dtype` from the start: built in float32
+    and cast, an 8B model took 32 GB more at its peak, and the cast left that much in the CUDA
+    allocator's cache, which the KV pool's sizing counted as used (~600k tokens on an H200 instead of
+    ~850k). The dtype is an argument, not the process's default dtype, which other threads share."""
+    with torch.device(device):
+        return cls(mc, ctx, dtype)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,6 +1,6 @@
 """Model families by `architectures[0]` of config.json. `shared.model_config.SUPPORTED_ARCHITECTURES`
 lists the names (the gateway checks a model without importing torch models); this maps them to the
-class that runs them."""
+class that runs them, built as `cls(config, max_positions, dtype)` (its parameters made in dtype)."""
 
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ from shared.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
 
 
@@ -62,18 +62,18 @@ class Rotary:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.layer = layer
         h, d = config.hidden_size, config.head_dim
         self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h))
-        self.o_proj = nn.Parameter(torch.empty(h, self.q_size))
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, h))
-        self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size))
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
+        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h, dtype=dtype))
+        self.o_proj = nn.Parameter(torch.empty(h, self.q_size, dtype=dtype))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, h, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size, dtype=dtype))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, ctx: _Context
@@ -106,16 +106,17 @@ class _Context:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype | None = None) -> None:
+        """dtype: the parameters' (made in it from the start); the RoPE tables stay float32."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         )
         self.rotary = Rotary(config, max_positions)
         self.ops: TorchOps | TritonOps = TorchOps()
