@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU path's benchmarks of issue 9, in two device calls of under 10 minutes each (H200):
-#   throughput  the seed workload offline (step trace), with all four penalties, and served
+#   throughput  the seed workload offline (step trace), with all four penalties, sampled (temperature 1,
+#               top-p, seeds: the sliced draw's memory at ~2,400 rows), and served
 #   extras      the generated shared prefix with and without the cascade kernel, the kernels alone,
 #               decode step times, and the HF generate_batch peer next to sglbus on one workload
 # Usage: bash benchmarks/gpu_suite.sh <config-only model folder> <output folder> throughput|extras
@@ -9,9 +10,10 @@ set -u
 M=${1:?model folder}; OUT=${2:?output folder}; PART=${3:?throughput or extras}
 SEED="--dataset-name random --num-prompts 3000 --random-input 256 --random-output 512 --random-range-ratio 0.0"
 PEN='{"frequency_penalty": 1.1, "presence_penalty": 1.1, "repetition_penalty": 0.1, "min_new_tokens": 5}'
+SAMPLED='{"temperature": 1.0, "top_p": 0.9, "sampling_seed": 7}'
 DUMMY="--model-path $M --load-format dummy"
 SHARED="--dataset-name shared-prefix --num-groups 8 --num-prompts 512 --shared-prefix-len 1024 --question-len 64 --output-len 128"
-pick() { grep -E "Backend|duration|Output token|hit rate|ratio|Device|steps|^decode|^extend|^step|^total|allocator"; }
+pick() { grep -E "Backend|duration|Output token|hit rate|ratio|Device|steps|^decode|^extend|^step|^total|^host|allocator|KV pool"; }
 run() {  # name, timeout, command...: the whole log to $OUT/<name>.log, the figures to stdout
   local name=$1 limit=$2; shift 2
   echo "== $name"
@@ -22,6 +24,8 @@ case $PART in
 throughput)
   run offline 120 python3 -m benchmarks.offline $DUMMY $SEED --step-trace --output-file "$OUT/offline.jsonl"
   run penalties 120 python3 -m benchmarks.offline $DUMMY $SEED --extra-sampling-params "$PEN" --step-trace \
+    --output-file "$OUT/offline.jsonl"
+  run sampled 120 python3 -m benchmarks.offline $DUMMY $SEED --extra-sampling-params "$SAMPLED" --step-trace \
     --output-file "$OUT/offline.jsonl"
   echo "== served"
   timeout 150 python3 -m benchmarks.serving --backend sglbus --launch-server --server-args "$DUMMY" $SEED \
