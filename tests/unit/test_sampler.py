@@ -142,3 +142,19 @@ def test_a_draw_in_slices_of_rows_gives_the_draw_in_one_go(monkeypatch, check):
     monkeypatch.setattr(sampler_module, "DRAW_SLICE_LOGITS", 3 * V)  # slices of 3 rows
     sliced = sample(rows.clone(), info, pos, check=check)
     assert torch.equal(sliced, whole) and whole[7].item() == -1
+
+
+def test_an_all_greedy_batch_builds_no_columns(monkeypatch):
+    """The throughput case: no per-row tensors, no host copies; the draw is the argmax (repaired)."""
+    import services.scheduler.sampling.sampler as sampler_module
+
+    copies: list[int] = []
+    monkeypatch.setattr(sampler_module, "to_device", lambda *a: copies.append(1))
+    info = SamplingInfo.build([SamplingParams(temperature=0)] * 3, V, "cpu")
+    assert copies == [] and info.all_greedy and info.temperatures is None and info.rows(0, 2) is info
+    logits = torch.randn(3, V)
+    logits[1] = float("nan")
+    pos = torch.zeros(3, 1, dtype=torch.int64)
+    for check in (True, False):
+        got = sample(logits.clone(), info, pos, check=check).tolist()
+        assert got == [logits[0].argmax().item(), -1, logits[2].argmax().item()]

@@ -36,13 +36,16 @@ DRAW_SLICE_LOGITS = 1 << 26
 
 @dataclass
 class SamplingInfo:
-    temperatures: torch.Tensor  # [B, 1] float32 (1.0 for greedy rows, unused there)
-    top_ks: torch.Tensor  # [B, 1] int64, vocab size when unset
-    top_ps: torch.Tensor  # [B, 1]
-    min_ps: torch.Tensor  # [B, 1]
-    greedy: torch.Tensor  # [B] bool
-    seeds: torch.Tensor  # [B, 1] int64
-    seeded: torch.Tensor  # [B] bool
+    """A batch's sampling parameters as device columns; an all-greedy batch (its draw is an argmax)
+    has none: no per-row Python or host copies for the batch that serving throughput runs at."""
+
+    temperatures: torch.Tensor | None  # [B, 1] float32 (1.0 for greedy rows, unused there)
+    top_ks: torch.Tensor | None  # [B, 1] int64, vocab size when unset
+    top_ps: torch.Tensor | None  # [B, 1]
+    min_ps: torch.Tensor | None  # [B, 1]
+    greedy: torch.Tensor | None  # [B] bool
+    seeds: torch.Tensor | None  # [B, 1] int64
+    seeded: torch.Tensor | None  # [B] bool
     all_greedy: bool
     need_sort: bool
     need_min_p: bool
@@ -50,6 +53,8 @@ class SamplingInfo:
 
     def rows(self, a: int, b: int) -> SamplingInfo:
         """Rows a..b-1 (the batch-wide flags stay: they only ever allow more work than needed)."""
+        if self.all_greedy:
+            return self
         return SamplingInfo(
             self.temperatures[a:b], self.top_ks[a:b], self.top_ps[a:b], self.min_ps[a:b], self.greedy[a:b],
             self.seeds[a:b], self.seeded[a:b], self.all_greedy, self.need_sort, self.need_min_p,
@@ -59,6 +64,8 @@ class SamplingInfo:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SamplingInfo:
         greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            return cls(None, None, None, None, None, None, None, True, False, False, False)
         if not all(g or math.isfinite(p.temperature) for p, g in zip(params, greedy, strict=True)):
             # NaN probabilities would make multinomial fail the batch (on CUDA: the whole device)
             raise ValueError("a sampled row has a non-finite temperature")
