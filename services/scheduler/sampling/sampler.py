@@ -14,7 +14,7 @@ token -1, which the scheduler turns into an abort of that request alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +109,11 @@ def sample(
         if bool(((top > -_LOGIT_CAP) & (top < _LOGIT_CAP)).all()):  # the usual case: nothing to repair
             if info.all_greedy:
                 return greedy_ids
-            rows = lambda a, b: _draw(logits[a:b], info.rows(a, b), positions[a:b], greedy_ids[a:b])  # noqa: E731
-            return _by_slices(rows, logits.shape)
+
+            def draw(a: int, b: int) -> torch.Tensor:
+                return _draw(logits[a:b], info.rows(a, b), positions[a:b], greedy_ids[a:b])
+
+            return _by_slices(draw, logits.shape)
     elif info.all_greedy and logits.is_cuda:
         from kernels.greedy_argmax import greedy_argmax
 
@@ -118,7 +121,7 @@ def sample(
     return _by_slices(lambda a, b: _repaired_draw(logits[a:b], info.rows(a, b), positions[a:b]), logits.shape)
 
 
-def _by_slices(draw, shape: torch.Size) -> torch.Tensor:
+def _by_slices(draw: Callable[[int, int], torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """draw(a, b) -> ids of rows a..b-1, over slices of at most DRAW_SLICE_LOGITS logits."""
     rows, vocab = shape
     step = max(1, DRAW_SLICE_LOGITS // max(vocab, 1))
