@@ -34,7 +34,7 @@ from services.scheduler.cascade import CascadePlanner
 from services.scheduler.constrained.admission import GrammarAdmission
 from services.scheduler.constrained.grammar import GrammarError
 from services.scheduler.constrained.jump_forward import GrammarDecode
-from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.host_copy import to_device
 from services.scheduler.intake import RequestIntake
 from services.scheduler.model_runner import ModelRunner
@@ -302,22 +302,12 @@ class Scheduler(RequestIntake):
         loc = self.kv.alloc(self._promised)
         assert loc is not None and loc.numel() == step.num_tokens, "the step's slots were promised"
         self._promised, self._step_slots = 0, loc
-        every = len(step.logits_idx) == step.num_tokens  # every token samples (a decode batch): no gather
-        logits_idx = None if every else step.logits_idx
         cascade = self.cascade.plan(decodes) if self.cascade else None
-        fb = ForwardBatch.build(step.ids, step.rows, step.prefix_lens, step.extend_lens, loc, logits_idx,
-                                step.lp_idx, self.runner.device, cascade)  # fmt: skip
-        # the new tokens' slots into their rows of req_to_token, one scatter for the batch (a decode
-        # batch has one token per row: no repeat_interleave, which may read its repeats on the host)
-        rows = fb.req_pool_indices
-        if fb.mode is not ForwardMode.DECODE:
-            rows = torch.repeat_interleave(rows, fb.extend_lens, output_size=step.num_tokens)
-        self.req_to_token.table[rows, fb.positions] = loc
+        in_flight = None
         if step.from_flight:
             assert self._inflight is not None and self._inflight.drawn is not None
-            n = len(step.from_flight)
-            pairs = to_device(step.from_flight + step.flight_rows, torch.int64, self.runner.device)
-            fb.input_ids[pairs[:n]] = self._inflight.drawn.safe[pairs[n:]]  # token index <- row in flight
+            in_flight = self._inflight.drawn.safe
+        fb = step.forward_batch(loc, self.req_to_token.table, self.runner.device, cascade, in_flight)
         return fb, step.samplers, step.lp_reqs
 
     def _launch(self, batch: list[Req], defer: bool = False) -> _Step:

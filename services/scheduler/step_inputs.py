@@ -1,12 +1,18 @@
 """What a step's requests put into the forward, gathered on the host in one pass over the batch:
 the flat token ids, each request's row / prefix / extend length, which tokens become logits (the last
 of each request that samples) or prompt logprobs, and which inputs are still on the device (a token
-the step in flight drew, under overlap scheduling)."""
+the step in flight drew, under overlap scheduling); then the step's ForwardBatch from them
+(`forward_batch`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from kernels.cascade_plan import CascadePlan
+from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 
 
@@ -54,3 +60,29 @@ class StepInputs:
                 s.logits_idx.append(start - 1)
         s.num_tokens = start
         return s
+
+    def forward_batch(
+        self,
+        loc: torch.Tensor,
+        table: torch.Tensor,
+        device: torch.device,
+        cascade: CascadePlan | None,
+        in_flight: torch.Tensor | None,
+    ) -> ForwardBatch:
+        """The step's ForwardBatch on `device`; the new tokens' slots `loc` go into their rows of the
+        req_to_token `table` (one scatter), and the tokens the step in flight drew are filled in from
+        its draw `in_flight` (on the device, no wait)."""
+        every = len(self.logits_idx) == self.num_tokens  # every token samples (a decode batch): no gather
+        fb = ForwardBatch.build(self.ids, self.rows, self.prefix_lens, self.extend_lens, loc,
+                                None if every else self.logits_idx, self.lp_idx, device, cascade)  # fmt: skip
+        # a decode batch has one token per row: no repeat_interleave, which may read its repeats on the host
+        rows = fb.req_pool_indices
+        if fb.mode is not ForwardMode.DECODE:
+            rows = torch.repeat_interleave(rows, fb.extend_lens, output_size=self.num_tokens)
+        table[rows, fb.positions] = loc
+        if self.from_flight:
+            assert in_flight is not None
+            n = len(self.from_flight)
+            pairs = to_device(self.from_flight + self.flight_rows, torch.int64, device)
+            fb.input_ids[pairs[:n]] = in_flight[pairs[n:]]  # token index <- row in flight
+        return fb
