@@ -79,9 +79,9 @@ def reference(logits: torch.Tensor, r: Req) -> torch.Tensor:
 def slices(request, monkeypatch):
     """The dense penalties work on a batch at once, or (as past DRAW_SLICE_LOGITS) 2 rows at a time."""
     if request.param == "slices":
-        import services.scheduler.sampling.dense_penalties as dense
+        import services.scheduler.sampling.sampler as sampler
 
-        monkeypatch.setattr(dense, "DRAW_SLICE_LOGITS", 2 * V)
+        monkeypatch.setattr(sampler, "DRAW_SLICE_LOGITS", 2 * V)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

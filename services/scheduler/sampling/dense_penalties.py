@@ -23,7 +23,7 @@ from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from services.scheduler.sampling.penalties import uses_counts
 from services.scheduler.sampling.processors import BatchPlan, LogitsProcessor
-from services.scheduler.sampling.sampler import DRAW_SLICE_LOGITS
+from services.scheduler.sampling.sampler import row_slices
 
 
 @dataclass
@@ -99,9 +99,8 @@ class DensePenaltyProcessor(LogitsProcessor):
         self._write_admitted()
         # in slices of rows, as the sampler draws: [U, vocab] temporaries of a 2,400-row batch would
         # take ~8 GB at once
-        step = max(1, DRAW_SLICE_LOGITS // self.vocab_size)
-        for a in range(0, plan.idx.numel(), step):
-            idx, rows_of, b = plan.idx[a : a + step], plan.rows[a : a + step], a + step
+        for a, b in row_slices(plan.idx.numel(), self.vocab_size):
+            idx, rows_of = plan.idx[a:b], plan.rows[a:b]
             counts = self.counts[rows_of]
             rows = logits[idx] - plan.freq[a:b] * counts - plan.pres[a:b] * (counts > 0)
             if plan.rep is not None:

@@ -121,13 +121,17 @@ def sample(
     return _by_slices(lambda a, b: _repaired_draw(logits[a:b], info.rows(a, b), positions[a:b]), logits.shape)
 
 
-def _by_slices(draw: Callable[[int, int], torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """draw(a, b) -> ids of rows a..b-1, over slices of at most DRAW_SLICE_LOGITS logits."""
-    rows, vocab = shape
+def row_slices(rows: int, vocab: int) -> list[tuple[int, int]]:
+    """(a, b) row ranges of at most DRAW_SLICE_LOGITS logits each, covering rows 0..rows-1 (one range,
+    possibly empty, when they fit): for [rows, vocab] work whose temporaries must stay bounded."""
     step = max(1, DRAW_SLICE_LOGITS // max(vocab, 1))
-    if rows <= step:
-        return draw(0, rows)
-    return torch.cat([draw(a, min(a + step, rows)) for a in range(0, rows, step)])
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)] or [(0, 0)]
+
+
+def _by_slices(draw: Callable[[int, int], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """draw(a, b) -> ids of rows a..b-1, over `row_slices`."""
+    parts = [draw(a, b) for a, b in row_slices(*shape)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _repaired_draw(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
