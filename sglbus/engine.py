@@ -23,6 +23,7 @@ from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.service import SchedulerService
 from shared.config import EngineConfig
+from shared.gc_freeze import freeze_startup_objects, unfreeze
 from shared.model_files import resolve_model_folder
 from shared.tokenizer import load_tokenizer
 from shared.transport import InProcessTransport
@@ -62,6 +63,7 @@ class Engine:
             await self.requests.start()
 
         self._run(start())
+        freeze_startup_objects()  # no full-collection stalls of the step loop (shared/gc_freeze.py)
 
     # -- public API ---------------------------------------------------------------------------
     def generate(
@@ -135,6 +137,7 @@ class Engine:
         # the model, its KV pool and CUDA graphs go now, not when this object does: an Engine made
         # next (`with Engine(...)` in a loop) would otherwise find the GPU full
         del self.scheduler_service
+        unfreeze()  # what start-up froze is collectable again (the model's cycles, if any)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

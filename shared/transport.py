@@ -104,6 +104,8 @@ class Subscription(ABC):
 class Transport(ABC):
     # the largest message the bus carries (NATS: the server's max_payload); senders split or refuse
     max_payload: int = 1 << 62
+    # publisher and subscribers share this process (and its GIL); over NATS they are other processes
+    in_process: bool = False
 
     @property
     def is_connected(self) -> bool:
@@ -170,6 +172,8 @@ class _InProcessSubscription(Subscription):
 
 class InProcessTransport(Transport):
     """Subjects are exact names (no wildcards); delivery is in order per subscription."""
+
+    in_process = True
 
     def __init__(self) -> None:
         self._subs: dict[str, list[_InProcessSubscription]] = {}

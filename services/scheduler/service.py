@@ -285,12 +285,16 @@ class SchedulerService:
 
     def _steps(self) -> None:
         sched = self.scheduler
+        # consumers in this process (the offline Engine's detokenizer and gateway) get the output
+        # before the wait for the device, not during the next launch (Scheduler.step); over NATS they
+        # are other processes, and the output goes at once
+        early = self._send if self.transport.in_process else None
         while not self._stop.is_set():
             self._drain()
             self.metrics.refresh(sched)
             if sched.has_work:
                 try:
-                    out = sched.step()
+                    out = sched.step(early)
                 except Exception as e:  # the whole step failed (per-request failures end one request)
                     log.exception("scheduler step failed; ending the running batch and stopping")
                     reason = f"scheduler {self.cfg.worker_id} failed: {type(e).__name__}: {e}"

@@ -22,8 +22,12 @@ import torch
 from services.scheduler.forward_batch import ForwardMode
 
 Marks = tuple[torch.cuda.Event, torch.cuda.Event, ForwardMode, int, int]
-# the scheduler thread's phases, in step order; "between" is the service's work between two steps
-HOST_PHASES = ("between", "schedule", "batch", "forward", "sample", "wait", "complete", "release")
+# the scheduler thread's phases, in step order; "between" is the service's work between two steps;
+# "inputs", "slots" and "batch" build the step's batch (StepInputs.collect; the KV slots and cascade
+# plan; the ForwardBatch, its copy and the req_to_token scatter); "send" hands the ready output to the
+# bus under overlap scheduling (Scheduler.step's `send_early`)
+HOST_PHASES = ("between", "schedule", "inputs", "slots", "batch", "forward", "sample", "send", "wait",
+               "complete", "release")  # fmt: skip
 
 
 class StepTimer:

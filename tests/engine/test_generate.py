@@ -143,5 +143,8 @@ def test_shutdown_frees_the_model_at_once(tmp_path, model_folder):
     with Engine(model_path=folder, load_format="dummy") as engine:
         engine.generate("x", {"max_new_tokens": 2})
         model = weakref.ref(engine.scheduler_service.runner.model)
+        # start-up froze what it built (shared/gc_freeze.py: no full-collection stalls of the steps)
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0  # handed back, so the model's cycles are collectable
     gc.collect()
     assert model() is None

@@ -72,8 +72,9 @@ def msg(rid: str, prompt: list[int], logprob: LogprobReq | None = None, **params
     return GenerateReq(rid=rid, input_ids=prompt, sampling=sp, out_subject="out", logprob=logprob)
 
 
-def run(sched: Scheduler, max_steps: int = 500) -> dict[str, dict]:
-    """Step until idle; per rid: its tokens and finish reason."""
+def run(sched: Scheduler, max_steps: int = 500, early: bool = True) -> dict[str, dict]:
+    """Step until idle; per rid: its tokens and finish reason. early: output also comes through
+    `send_early`, as the service steps (it matters under overlap scheduling only)."""
     got: dict[str, dict] = {}
 
     def collect(out) -> None:
@@ -87,7 +88,7 @@ def run(sched: Scheduler, max_steps: int = 500) -> dict[str, dict]:
     for _ in range(max_steps):
         if not sched.has_work:
             break
-        if (out := sched.step()) is not None:
+        if (out := sched.step(collect if early else None)) is not None:
             collect(out)
     assert not sched.has_work
     sched.check_integrity()
@@ -361,3 +362,30 @@ def test_a_full_pool_evicts_once_per_step_for_all_its_decodes(monkeypatch):
     got = run(sched)
     assert all(got[rid]["tokens"] == expected(p, 12) for rid, p in prompts.items())
     assert calls and max(calls.count(s) for s in set(calls)) == 1  # at most one eviction a step
+
+
+def test_ready_output_goes_out_after_the_next_launch_and_nothing_changes(overlap):
+    """send_early: under overlap a step's completion is held until the next step is launched (the
+    consumers then run while the scheduler waits for the device); the tokens are the same."""
+    results = []
+    for early in (True, False):
+        sched = make()
+        sched.add_request(msg("a", [5, 6], max_new_tokens=6))
+        sched.add_request(msg("b", [9], max_new_tokens=3, stop_token_ids=[11]))
+        results.append(run(sched, early=early))
+    assert results[0] == results[1] == {
+        "a": {"tokens": expected([5, 6], 6), "finish": {"type": "length", "length": 6}},
+        "b": {"tokens": [10, 11], "finish": {"type": "stop", "matched": 11}},
+    }
+    sched = make()
+    sched.add_request(msg("a", [5, 6], max_new_tokens=6))
+    sent: list[list[int]] = []
+    returned = sched.step(lambda out: sent.extend(out.token_ids))
+    if not overlap:  # completed at once and returned; nothing goes early
+        assert sent == [] and returned is not None and returned.token_ids == [[7]]
+        return
+    assert sent == [] and returned is None  # launched; nothing completed yet
+    assert sched.step(lambda out: sent.extend(out.token_ids)) is None
+    assert sent == []  # the first token is held past this step's completion...
+    sched.step(lambda out: sent.extend(out.token_ids))
+    assert sent == [[7]]  # ...and goes out once the third step is launched
