@@ -373,10 +373,14 @@ def test_ready_output_goes_out_after_the_next_launch_and_nothing_changes(overlap
         sched.add_request(msg("a", [5, 6], max_new_tokens=6))
         sched.add_request(msg("b", [9], max_new_tokens=3, stop_token_ids=[11]))
         results.append(run(sched, early=early))
-    assert results[0] == results[1] == {
-        "a": {"tokens": expected([5, 6], 6), "finish": {"type": "length", "length": 6}},
-        "b": {"tokens": [10, 11], "finish": {"type": "stop", "matched": 11}},
-    }
+    assert (
+        results[0]
+        == results[1]
+        == {
+            "a": {"tokens": expected([5, 6], 6), "finish": {"type": "length", "length": 6}},
+            "b": {"tokens": [10, 11], "finish": {"type": "stop", "matched": 11}},
+        }
+    )
     sched = make()
     sched.add_request(msg("a", [5, 6], max_new_tokens=6))
     sent: list[list[int]] = []
