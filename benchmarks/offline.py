@@ -26,7 +26,7 @@ import sglbus
 from benchmarks.hf_baseline import run_hf
 from benchmarks.launch import append_result
 from benchmarks.stack_profile import StackProfile
-from benchmarks.step_trace import summarize, summarize_laps, triton_variants
+from benchmarks.step_trace import GcPauses, summarize, summarize_laps, triton_variants
 from benchmarks.workloads import Workload, add_workload_args, build_workload, optimal_hit_rate
 from services.scheduler.model_runner import resolve_device
 from shared.config import EngineConfig, add_cli_args, cli_overrides
@@ -110,7 +110,10 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         alloc_before = _allocator_counts()
         if args.torch_profile:
             engine._on_scheduler(_start_torch_profile)
-        with StackProfile() if args.profile else contextlib.nullcontext() as prof:
+        with (
+            StackProfile() if args.profile else contextlib.nullcontext() as prof,
+            GcPauses() if args.step_trace else contextlib.nullcontext() as gc_pauses,
+        ):
             t0 = time.perf_counter()
             outs = engine.generate(
                 input_ids=[ids for ids, _ in workload], sampling_params=params, **args.extra_request_params
@@ -118,6 +121,8 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
             duration = time.perf_counter() - t0
         if prof is not None:
             print(prof.report())
+        if gc_pauses is not None:
+            print(gc_pauses.report())
         if args.torch_profile:
             print(engine._on_scheduler(_stop_torch_profile))
         trace = engine._on_scheduler(lambda s: s.timer.trace) if args.step_trace else None

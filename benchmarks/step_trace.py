@@ -7,6 +7,8 @@ hide behind the device's work).
 
 from __future__ import annotations
 
+import gc
+import time
 from collections import defaultdict
 
 _BOUNDS = (1, 64, 256, 512, 1024, 2048, 4096)
@@ -42,7 +44,40 @@ def summarize(trace: list[tuple[str, int, int, float, float]]) -> str:
     lines.append(f"total: {len(trace)} steps, device {dev:.2f} s, idle between steps {idle:.2f} s")
     first = ", ".join(f"{kind} {reqs}r {1000 * d:.0f}ms" for kind, reqs, _, d, _ in trace[:8])
     lines.append(f"first steps: {first}")  # a kernel compiling inside the run shows here
+    worst = sorted(range(1, len(trace)), key=lambda i: -trace[i][4])[:5]
+    gaps = ", ".join(f"#{i} {trace[i][0]} {trace[i][1]}r {1000 * trace[i][4]:.0f}ms" for i in worst)
+    lines.append(f"longest idle before a step: {gaps}")  # a stall (a sync, a GC pass) shows here
     return "\n".join(lines)
+
+
+class GcPauses:
+    """The garbage collector's passes while the block runs, by generation: a full pass (generation 2)
+    holds the GIL for as long as it walks every tracked object, stalling the scheduler thread."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.passes.append((info["generation"], time.perf_counter() - self._start))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def report(self) -> str:
+        parts = []
+        for gen in (0, 1, 2):
+            d = [s for g, s in self.passes if g == gen]
+            longest = 1000 * max(d, default=0)
+            parts.append(f"generation {gen}: {len(d)} passes, {sum(d):.2f} s, longest {longest:.0f} ms")
+        return "garbage collector during the run: " + "; ".join(parts)
 
 
 def summarize_laps(laps: list[tuple[str, int, dict[str, float]]]) -> str:
