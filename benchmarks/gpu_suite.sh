@@ -13,7 +13,7 @@ PEN='{"frequency_penalty": 1.1, "presence_penalty": 1.1, "repetition_penalty": 0
 SAMPLED='{"temperature": 1.0, "top_p": 0.9, "sampling_seed": 7}'
 DUMMY="--model-path $M --load-format dummy"
 SHARED="--dataset-name shared-prefix --num-groups 8 --num-prompts 512 --shared-prefix-len 1024 --question-len 64 --output-len 128"
-pick() { grep -E "Backend|duration|Output token|hit rate|ratio|Device|steps|^decode|^extend|^step|^total|^host|allocator|KV pool"; }
+pick() { grep -E "Backend|duration|Output token|hit rate|ratio|Device|steps|^decode|^extend|^step|^total|^host|allocator|KV pool|garbage|longest idle"; }
 run() {  # name, timeout, command...: the whole log to $OUT/<name>.log, the figures to stdout
   local name=$1 limit=$2; shift 2
   echo "== $name"
@@ -31,6 +31,9 @@ throughput)
   timeout 150 python3 -m benchmarks.serving --backend sglbus --launch-server --server-args "$DUMMY" $SEED \
     --disable-tqdm --output-file "$OUT/serving.jsonl" > "$OUT/served.log" 2>&1
   grep -v Warning "$OUT/served.log" | tail -30
+  # the server's own log: its batch lines (#running-req, #queue-req) say whether requests waited in the
+  # scheduler's queue or had not reached it yet (a long TTFT with small batches)
+  cp /tmp/sglbus-serve-*.log "$OUT/" 2>/dev/null
   ;;
 extras)
   run shared_prefix 80 python3 -m benchmarks.offline $DUMMY $SHARED --step-trace --output-file "$OUT/offline.jsonl"

@@ -8,7 +8,8 @@ GPU idled meanwhile (docs/benchmarks.md, eighth session). `freeze_startup_object
 Engine has started (model loaded, graphs captured), moves them out of the collector's view
 (`gc.freeze`); garbage made later is collected as before, and reference counting still frees frozen
 objects outside cycles. `unfreeze()` hands them back when the Engine shuts down, so the cycles of what
-it built are collected.
+it built are collected (the process has one frozen set: with two Engines alive, the first one's
+shutdown unfreezes the other's objects too, which costs it only the stalls again).
 
 The served processes do not freeze yet: their runs with it were not faster on the H200 (not settled
 why; docs/benchmarks.md).
