@@ -9,6 +9,7 @@ restarted and delivered again together."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from services.scheduler.memory import KVPool
     from services.scheduler.step_output import StepOutput
 
+log = logging.getLogger(__name__)
+
 
 class RequestIntake:
     waiting: list[Req]
@@ -33,15 +36,26 @@ class RequestIntake:
     eos_ids: tuple[int, ...]
     held: dict[int, list[Req]]  # a request's uid -> the requests that run after it (GenerateReq.then)
 
-    def add_request(self, msg: GenerateReq, work: Work | None = None) -> None:
+    def add_request(
+        self, msg: GenerateReq, work: Work | None = None, max_deliveries: int | None = None
+    ) -> None:
         """Queue a request (and hold those that run after it), or answer it at once with a 400 that
-        names what is wrong with it. `work`: the work-queue delivery it came in (None in-process)."""
+        names what is wrong with it. `work`: the work-queue delivery it came in (None in-process).
+        A delivery past `max_deliveries` of a request that does not run here took every scheduler
+        that ran it down with it: answered with a 500, not run again. (One that runs here was
+        delivered again only because a keep-alive came late, on a busy machine: it keeps going.)"""
         if work is not None and work.deliveries > 1:
             rids = {msg.rid, *(m.rid for m in msg.then)}
             live = [r for r in self._all() if r.rid in rids]
             if live:  # delivered again while it runs here (a late keep-alive): keep going
                 for r in live:
                     r.work_token = work.token
+                return
+            if max_deliveries is not None and work.deliveries > max_deliveries:
+                why = (f"the request was delivered {work.deliveries} times and every scheduler that ran it "
+                       "stopped; it is not tried again")  # fmt: skip
+                log.error("%s: %s", msg.rid, why)
+                self.reject(msg, why, 500, work)
                 return
         req = self._checked(msg, work)
         if isinstance(req.finish, Abort):  # refused: so are those that would run after it

@@ -136,13 +136,7 @@ class SchedulerService:
             # no valid place to answer, its client gave up before it arrived, or its gateway is gone
             await self.transport.settle_work(work.token, TERM)
             return
-        if work.deliveries > MAX_DELIVERIES:
-            why = (f"the request was delivered {work.deliveries} times and every scheduler that ran it "
-                   "stopped; it is not tried again")  # fmt: skip
-            log.error("%s: %s", msg.rid, why)
-            self._put(lambda: self.scheduler.reject(msg, why, 500, work))
-            return
-        self._put(lambda: self.scheduler.add_request(msg, work))
+        self._put(lambda: self.scheduler.add_request(msg, work, MAX_DELIVERIES))
 
     async def _on_abort(self, m: Message) -> None:
         try:

@@ -393,3 +393,24 @@ def test_ready_output_goes_out_after_the_next_launch_and_nothing_changes(overlap
     assert sent == []  # the first token is held past this step's completion...
     sched.step(lambda out: sent.extend(out.token_ids))
     assert sent == [[7]]  # ...and goes out once the third step is launched
+
+
+def test_a_late_redelivery_of_a_running_request_is_not_taken_for_a_poison_request():
+    """Past max_deliveries a request is refused (it took every scheduler that ran it down), unless it
+    runs here: then a keep-alive came late on a busy machine, and it keeps going."""
+    sched = make()
+    delivery = lambda n: SimpleNamespace(token="tok", deliveries=n)  # noqa: E731
+    sched.add_request(msg("here", [5, 6], max_new_tokens=4), delivery(1), max_deliveries=3)
+    outs = []
+    if (out := sched.step(outs.append)) is not None:
+        outs.append(out)
+    first = [
+        t for o in outs for rid, toks in zip(o.rids, o.token_ids, strict=True) if rid == "here" for t in toks
+    ]
+    sched.add_request(msg("here", [5, 6], max_new_tokens=4), delivery(4), max_deliveries=3)
+    sched.add_request(msg("crashed", [8, 9]), delivery(4), max_deliveries=3)
+    got = run(sched)
+    assert first + got["here"]["tokens"] == expected([5, 6])
+    assert got["here"]["finish"] == {"type": "length", "length": 4}
+    assert got["crashed"]["tokens"] == [] and got["crashed"]["finish"]["status_code"] == 500
+    assert "delivered 4 times" in got["crashed"]["finish"]["message"]
