@@ -26,7 +26,9 @@ def test_logprobs_and_flat_b64_over_http(client, tokenizer):
         assert meta["input_token_logprobs"][0][0] is None
         fv, fi = decode_flat(f["meta_info"], "input_top_logprobs")
         bv, bi = decode_flat_b64(b["meta_info"], "input_top_logprobs")
-        assert np.array_equal(fv, bv) and np.array_equal(fi, bi)
+        # two requests: the same ids, and values equal up to float noise (a prompt's rows may be
+        # computed in a differently shaped batch, whose matmuls round differently)
+        assert np.array_equal(fi, bi) and np.allclose(fv, bv, rtol=0, atol=1e-4)
         assert fi.tolist() == [[e[1] for e in row] for row in meta["input_top_logprobs"][1:]]
     assert [e[1] for e in lists[0]["meta_info"]["input_token_logprobs"]] == ids
 
