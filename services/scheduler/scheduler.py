@@ -117,11 +117,9 @@ class Scheduler(RequestIntake):
         back and are processed, so the host work of one step hides behind the device work of the
         next. Without it, a step is launched and completed at once.
 
-        send_early (overlap only): the output that is ready goes to it right after the launch, and
-        what the completion produces is held for the next step's launch (returned here only when
-        nothing was launched). Its consumers then run while this thread waits for the device, not
-        during the next launch's host work: in one process (the offline Engine) they would take the
-        GIL from every torch call of that work, each time for up to the switch interval (5 ms)."""
+        send_early (overlap only): ready output goes to it right after the launch, so its consumers
+        run while this thread waits for the device; the completion's output waits for the next launch
+        (returned only when nothing was launched). Why: docs/architecture.md, the offline Engine."""
         t0 = time.perf_counter()
         self.timer.lap_begin()
         self._release_finished()
