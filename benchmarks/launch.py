@@ -38,15 +38,18 @@ class LaunchedServer:
     Use as a context manager: entering waits until it prints its URL, leaving stops it (SIGTERM: `serve`
     stops its own scheduler, detokenizer, gateway and NATS)."""
 
-    def __init__(self, server_args: str = "", host: str = "127.0.0.1") -> None:
+    def __init__(self, server_args: str = "", host: str = "127.0.0.1", log_path: str | None = None) -> None:
         self.host, self.port = host, free_port(host)
         self.extra = shlex.split(server_args)
         self.url = f"http://{host}:{self.port}"
         self.nats_url: str | None = None
         self.nats_token: str | None = os.environ.get("SGLBUS_NATS_TOKEN")
         self.proc: subprocess.Popen[bytes] | None = None
-        fd, self.log_path = tempfile.mkstemp(prefix="sglbus-serve-", suffix=".log")
-        os.close(fd)
+        self.keep_log = log_path is not None  # a log named by the caller is kept
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="sglbus-serve-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
 
     def __enter__(self) -> LaunchedServer:
         cmd = [sys.executable, "-m", "sglbus.cli", "serve", "--host", self.host, "--port", str(self.port)]
@@ -78,7 +81,7 @@ class LaunchedServer:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-        if et is None:  # kept after a failure, for context
+        if et is None and not self.keep_log:  # kept after a failure, for context
             os.unlink(self.log_path)
 
     def log_text(self) -> str:
@@ -103,6 +106,7 @@ def add_target_args(p: Any, nats: bool = False) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
     p.add_argument("--server-args", default="", help='with --launch-server, e.g. "--max-running-requests 32"')
+    p.add_argument("--server-log", default=None, help="keep the launched server's log here")
     if nats:
         p.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL"), help="the server's NATS")
 
@@ -113,6 +117,7 @@ class Target(NamedTuple):
     base: str
     nats_url: str | None
     nats_token: str | None
+    pid: int | None = None  # the launched `sglbus serve`'s process
 
 
 @contextlib.contextmanager
@@ -121,8 +126,9 @@ def target(args: Any) -> Iterator[Target]:
     `--base-url` / `--host` `--port`, with `--nats-url` (and SGLBUS_NATS_TOKEN) for its bus."""
     nats_url = getattr(args, "nats_url", None)
     if args.launch_server:
-        with LaunchedServer(args.server_args, args.host) as server:
-            yield Target(server.url, server.nats_url or nats_url, server.nats_token)
+        with LaunchedServer(args.server_args, args.host, getattr(args, "server_log", None)) as server:
+            pid = server.proc.pid if server.proc else None
+            yield Target(server.url, server.nats_url or nats_url, server.nats_token, pid)
     else:
         base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
         yield Target(base, nats_url, os.environ.get("SGLBUS_NATS_TOKEN"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ import orjson
 from tqdm import tqdm
 
 from benchmarks.launch import add_target_args, append_result, machine_info, percentile, target
+from benchmarks.proc_cpu import ProcessCpu
 from benchmarks.workloads import Workload, random_workload, shared_prefix_workload
 
 # GenerateReqInput fields: an --extra-request-body key with one of these names goes to the top level of
@@ -75,6 +77,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     t.add_argument("--max-concurrency", type=int, default=None)
     t.add_argument("--extra-request-body", default=None, help="JSON, e.g. '{\"frequency_penalty\": 1.1}'")
     t.add_argument("--disable-tqdm", action="store_true")
+    t.add_argument("--sample-cpu", action="store_true",
+                   help="print the CPU use of each server process and the client")  # fmt: skip
     t.add_argument("--output-file", default=None, help="append one JSONL row with all metrics")
     return p.parse_args(argv)
 
@@ -278,23 +282,29 @@ def print_block(args: argparse.Namespace, m: dict[str, Any]) -> None:
     print("=" * 50)
 
 
-def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, base: str, server_pid: int | None = None) -> dict[str, Any]:
     model_info = httpx.get(base + "/get_model_info", timeout=30).json()
     r = httpx.get(base + "/get_server_info", timeout=30)
     server_info = r.json() if r.status_code == 200 else {}
     tok, vocab = load_tokenizer_and_vocab(args, model_info, server_info)
     workload = build(args, vocab)
-    outputs, duration = asyncio.run(benchmark(args, base, workload))
+    with ProcessCpu(server_pid) if args.sample_cpu else contextlib.nullcontext() as cpu:
+        outputs, duration = asyncio.run(benchmark(args, base, workload))
     failed = [o.error for o in outputs if not o.success]
     if failed:
         print(f"{len(failed)} requests failed, e.g. {failed[0]}", file=sys.stderr)
     m = metrics(workload, outputs, duration, tok)
     print_block(args, m)
+    if cpu is not None:
+        print(cpu.report())
     # sglbus servers: the scheduler's counters over the run (warmup included), e.g. the prefix cache hits
     r = httpx.get(base + "/get_server_info", timeout=30)
     after = r.json().get("stats") if r.status_code == 200 else None
     before = server_info.get("stats")
     stats = {k: after[k] - before[k] for k in after if k in before} if after and before else None
+    if stats and stats.get("device_s"):  # CUDA: how busy the scheduler kept the GPU
+        print(f"scheduler: {stats['steps']} steps, device busy {stats['device_s']:.2f} s of "
+              f"{duration:.2f} s ({100 * stats['device_s'] / duration:.1f}%)")  # fmt: skip
     return {"model_path": model_info.get("model_path"), "metrics": m, "server_stats": stats,
             "errors": failed[:5]}  # fmt: skip
 
@@ -303,7 +313,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     machine = machine_info()
     with target(args) as server:
-        result = run(args, server.base)
+        result = run(args, server.base, server.pid)
     if args.output_file:
         append_result(
             args.output_file, {**vars(args), "request_rate": str(args.request_rate)}, machine, result
