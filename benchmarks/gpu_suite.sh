@@ -28,12 +28,12 @@ throughput)
   run sampled 120 python3 -m benchmarks.offline $DUMMY $SEED --extra-sampling-params "$SAMPLED" --step-trace \
     --output-file "$OUT/offline.jsonl"
   echo "== served"
-  timeout 150 python3 -m benchmarks.serving --backend sglbus --launch-server --server-args "$DUMMY" $SEED \
-    --disable-tqdm --output-file "$OUT/serving.jsonl" > "$OUT/served.log" 2>&1
-  grep -v Warning "$OUT/served.log" | tail -30
-  # the server's own log: its batch lines (#running-req, #queue-req) say whether requests waited in the
-  # scheduler's queue or had not reached it yet (a long TTFT with small batches)
-  cp /tmp/sglbus-serve-*.log "$OUT/" 2>/dev/null
+  # --server-log keeps the server's own log (its batch lines: #running-req, #queue-req); --sample-cpu
+  # says which process (scheduler, detokenizer, gateway, client) was busy all the time
+  timeout 200 python3 -m benchmarks.serving --backend sglbus --launch-server --server-args "$DUMMY" $SEED \
+    --disable-tqdm --sample-cpu --server-log "$OUT/served_server.log" --output-file "$OUT/serving.jsonl" \
+    > "$OUT/served.log" 2>&1
+  grep -v Warning "$OUT/served.log" | tail -40
   ;;
 extras)
   run shared_prefix 80 python3 -m benchmarks.offline $DUMMY $SHARED --step-trace --output-file "$OUT/offline.jsonl"
