@@ -1,4 +1,4 @@
-"""Python's cyclic garbage collector against the offline Engine's step loop.
+"""Python's cyclic garbage collector against a step loop (the offline Engine, the served services).
 
 A full collection walks every object the collector tracks, holding the GIL. After start-up those are
 hundreds of thousands of objects of the imported libraries (torch, transformers, triton) and of the
@@ -11,8 +11,8 @@ objects outside cycles. `unfreeze()` hands them back when the Engine shuts down,
 it built are collected (the process has one frozen set: with two Engines alive, the first one's
 shutdown unfreezes the other's objects too, which costs it only the stalls again).
 
-The served processes do not freeze yet: their runs with it were not faster on the H200 (not settled
-why; docs/benchmarks.md).
+Each served service freezes the same way once started (`shared.service_main.serve_on_bus`, the
+gateway's main); its process lives until it stops, so nothing is unfrozen there.
 """
 
 from __future__ import annotations

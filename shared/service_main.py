@@ -12,6 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from shared.gc_freeze import freeze_startup_objects
 from shared.nats_transport import BusAuth, NatsTransport
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -147,6 +148,7 @@ async def serve_on_bus(
         log.debug("%s: building the service failed", name, exc_info=True)
         raise ServiceExit(f"cannot start {name}: {type(e).__name__}: {e}") from e
     await service.start()
+    freeze_startup_objects()  # no full-collection stalls of the running service (shared/gc_freeze.py)
     logging.getLogger(name).info("%s ready", name)
     stopped = asyncio.ensure_future(wait_for_signal())
     failed = asyncio.ensure_future(service.wait_failed()) if hasattr(service, "wait_failed") else None
@@ -176,14 +178,12 @@ async def _within(name: str, what: str, step: Awaitable[None], limit: float) -> 
 def run(name: str, amain: Callable[[], Awaitable[None]], log_level: str = "info") -> None:
     """Run the service's main coroutine; a ServiceExit ends the process with one line and its code."""
     setup_logging(name, log_level)
-    try:
-        import uvloop  # optional: faster event loop where installed
-
-        uvloop.install()
+    try:  # uvloop where installed (a dependency except on Windows): the faster event loop
+        from uvloop import run as run_loop
     except ImportError:
-        pass
+        run_loop = asyncio.run
     try:
-        asyncio.run(amain())
+        run_loop(amain())
     except ServiceExit as e:
         logging.getLogger(name).error("%s", e)
         sys.exit(e.exit_code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 import uvicorn
 
@@ -11,6 +12,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http_app import build_app
 from services.gateway.service import Gateway
 from shared.config import add_cli_args, cli_overrides, from_env
+from shared.gc_freeze import freeze_startup_objects
 from shared.model_config import ModelConfig
 from shared.model_files import default_model_path
 from shared.nats_server import port_in_use
@@ -38,6 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other gateways of this host may bind too (SO_REUSEPORT):
+    the kernel spreads new connections over them, so several processes stream the responses."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServiceExit(f"cannot listen on {host}:{port}: {e.strerror}; pick another with --port") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -47,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 
     async def amain() -> None:
-        if port_in_use(cfg.host, cfg.port):  # uvicorn would find out only after the model is loaded
+        # uvicorn would find out only after the model is loaded (gateways sharing the port: at bind)
+        if not cfg.reuse_port and port_in_use(cfg.host, cfg.port):
             raise ServiceExit(
                 f"port {cfg.port} on {cfg.host} is in use by another process; pick another with --port"
             )
@@ -60,11 +80,13 @@ def main(argv: list[str] | None = None) -> None:
             cfg, transport, tokenizer, model, cfg.model_path or default_model_path(), tokenizer_path
         )
         await gateway.start()
+        freeze_startup_objects()  # no full-collection stalls of the HTTP loop (shared/gc_freeze.py)
         server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port,
                                                log_level="warning", timeout_graceful_shutdown=5))  # fmt: skip
         log.info("gateway listening on http://%s:%d%s", cfg.host, cfg.port,
                  " (API key required)" if cfg.api_key else "")  # fmt: skip
-        await server.serve()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
+        sockets = [shared_port_socket(cfg.host, cfg.port)] if cfg.reuse_port else None
+        await server.serve(sockets)  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
         await shutdown("gateway", gateway.stop(), transport)
 
     run("gateway", amain, args.log_level)

@@ -24,6 +24,11 @@ class GatewayConfig:
     gateway_id: str | None = option(
         None, "names this gateway's output subject; unset: random (leave it unset on scaled gateways)"
     )
+    reuse_port: bool = option(
+        False,
+        "share the HTTP port with the other gateways of this host (SO_REUSEPORT: the kernel spreads the "
+        "connections); `sglbus serve --tokenizer-worker-num` sets it",
+    )
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body, in bytes")
     max_bus_request_bytes: int = option(
         4 * 1024 * 1024, "largest bus-API request, in bytes (the bus is shared: smaller than max_body_bytes)"

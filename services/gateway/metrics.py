@@ -9,8 +9,11 @@ Two sources, one text exposition:
   requests, KV pool, prefix cache hit rate, generation throughput, retractions, grammar compile time),
   for every scheduler with a live heartbeat. Labels: model_name, engine_type, tp_rank, pp_rank, worker.
 
-Every gateway serves the same scheduler series; the request series are its own requests only (with
-several gateways, scrape each one: Prometheus tells them apart by `instance`).
+Every gateway serves the same scheduler series. The request series add up the requests of every live
+gateway of the deployment: each gateway sends its own series on its heartbeat (`snapshot`), and a
+scrape of any one of them (`sglbus serve --tokenizer-worker-num` puts several behind one port, where
+a scrape reaches one at random) sums its own and the others' last ones; a gateway that stopped beating
+drops out of the sums. Counters and histograms only, without their `_created` samples.
 """
 
 from __future__ import annotations
@@ -93,13 +96,50 @@ class _SchedulerCollector:
         yield from scheduler_families(self.snapshots(), self.model_name)
 
 
-class GatewayMetrics:
-    """The gateway's metric registry (private: several gateways or engines in one process are fine)."""
+# one sample of a gateway's request series on its heartbeat: [family, sample name, labels, value]
+Sample = list[Any]
 
-    def __init__(self, model_name: str, snapshots: Callable[[], dict[str, dict[str, Any]]]) -> None:
+
+class _RequestCollector:
+    """This gateway's request series plus the other live gateways' (their heartbeats' snapshots)."""
+
+    def __init__(self, own: CollectorRegistry, peers: Callable[[], list[list[Sample]]]) -> None:
+        self.own, self.peers = own, peers
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        others: dict[str, dict[tuple[str, tuple], float]] = {}  # family -> (sample, labels) -> sum
+        for snapshot in self.peers():
+            for family, name, labels, value in snapshot:
+                key = (name, tuple(sorted(labels.items())))
+                into = others.setdefault(family, {})
+                into[key] = into.get(key, 0.0) + value
+        for fam in self.own.collect():
+            merged = Metric(fam.name, fam.documentation, fam.type)
+            extra = others.get(fam.name, {})
+            for sample in fam.samples:
+                if not sample.name.endswith("_created"):
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    merged.add_sample(sample.name, sample.labels, sample.value + extra.pop(key, 0.0))
+            for (name, labels), value in extra.items():  # series only other gateways have
+                merged.add_sample(name, dict(labels), value)
+            yield merged
+
+
+class GatewayMetrics:
+    """The gateway's metric registry (private: several gateways or engines in one process are fine).
+    `peers`: the request-series snapshots of the other live gateways."""
+
+    def __init__(
+        self,
+        model_name: str,
+        snapshots: Callable[[], dict[str, dict[str, Any]]],
+        peers: Callable[[], list[list[Sample]]] = list,
+    ) -> None:
         self.model_name = model_name
-        self.registry = CollectorRegistry()
-        reg = self.registry
+        self._own = reg = CollectorRegistry()  # this gateway's request series
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, GATEWAY_LABELS, registry=reg)
@@ -126,7 +166,14 @@ class GatewayMetrics:
             "Histogram of End-to-end request latency in seconds",
             E2E_BUCKETS,
         )
-        reg.register(_SchedulerCollector(snapshots, model_name))
+        self.registry = CollectorRegistry()
+        self.registry.register(_RequestCollector(self._own, peers))
+        self.registry.register(_SchedulerCollector(snapshots, model_name))
+
+    def snapshot(self) -> list[Sample]:
+        """This gateway's request series, for its heartbeat."""
+        return [[fam.name, s.name, s.labels, s.value] for fam in self._own.collect() for s in fam.samples
+                if not s.name.endswith("_created")]  # fmt: skip
 
     def _labels(self, worker: str) -> tuple[str, str, str]:
         return self.model_name, ENGINE_TYPE, worker

@@ -222,6 +222,19 @@ class RequestManager:
     async def stream(self, states: list[RequestState]) -> AsyncIterator[Delta]:
         """Each request's deltas as its outputs arrive (`Delta.index`: its place in `states`), the
         last with its finish reason; closing the stream early aborts what is unfinished."""
+        if len(states) == 1:  # the common case, without a task per event (~20k events/s at load)
+            st = states[0]
+            try:
+                while True:  # the finished state's event is the last
+                    await st.changed.wait()
+                    st.changed.clear()
+                    st.streamed = st.streamed or bool(st.output_ids)
+                    yield st.delta(0)
+                    if st.finished:
+                        break
+            finally:
+                await self._forget(states)
+            return
         pending = {asyncio.ensure_future(st.changed.wait()): i for i, st in enumerate(states)}
         try:
             while pending:

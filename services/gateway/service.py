@@ -48,7 +48,8 @@ class Gateway:
         self.served_model_name = (
             cfg.served_model_name or os.path.splitext(os.path.basename(os.path.normpath(model_path)))[0]
         )
-        self.metrics = GatewayMetrics(self.served_model_name, self.scheduler_reports)
+        self._peer_metrics: dict[str, tuple[float, list]] = {}  # other gateway -> (when, its request series)
+        self.metrics = GatewayMetrics(self.served_model_name, self.scheduler_reports, self.peer_metrics)
         self.requests.metrics = self.metrics
 
     async def start(self) -> None:
@@ -56,8 +57,10 @@ class Gateway:
         await self.requests.bodies.start()  # its child now, not at the first large body
         s = self.subjects
         # schedulers drop the requests of a gateway whose heartbeat stopped (its clients are gone)
+        # its request metrics go along: a scrape of any gateway sums every live gateway's (metrics.py)
         self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "gateway", self.requests.out_subject,
-                                    extra={"out_subject": self.requests.out_subject})  # fmt: skip
+                                    extra={"out_subject": self.requests.out_subject},
+                                    report=lambda: {"request_metrics": self.metrics.snapshot()})  # fmt: skip
         self._heartbeat.start()
         self._subs.append(await self.transport.subscribe(s.ctl("heartbeat"), self._on_heartbeat))
         for subject, handler in ((s.api_generate, self.bus_api.on_request),
@@ -176,9 +179,15 @@ class Gateway:
             service, worker = beat["service"], beat["worker"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return
+        now = time.monotonic()
+        if service == "gateway" and worker != self.requests.out_subject:
+            if beat.get("leaving"):
+                self._peer_metrics.pop(worker, None)
+            elif isinstance(beat.get("request_metrics"), list):
+                self._peer_metrics[worker] = (now, beat["request_metrics"])
+            return
         if service not in ("scheduler", "detokenizer") or not isinstance(worker, str):
             return
-        now = time.monotonic()
         if beat.get("leaving"):  # it stopped on purpose: no fan-out waits for it, no metrics from it
             self._seen[(service, worker)] = now - self.cfg.worker_timeout
             if service == "scheduler":
@@ -187,6 +196,13 @@ class Gateway:
         self._seen[(service, worker)] = now
         if service == "scheduler" and isinstance(beat.get("metrics"), dict):
             self._reports[worker] = beat["metrics"]
+
+    def peer_metrics(self) -> list[list]:
+        """The request series of the other gateways that beat lately (for /metrics)."""
+        gone = time.monotonic() - self.cfg.worker_timeout
+        for worker in [w for w, (seen, _) in self._peer_metrics.items() if seen < gone]:
+            del self._peer_metrics[worker]
+        return [series for _, series in self._peer_metrics.values()]
 
     async def _watch_lost_requests(self) -> None:
         """The work queue keeps a request until its output arrived here, and delivers it again when its

@@ -35,6 +35,7 @@ START_TIMEOUT_S = 300.0
 RESTORE_TIMEOUT_S = 30.0
 API_KEY = "test-api-key"
 SERVICES = ("gateway", "scheduler", "detokenizer")
+GATEWAYS = 2
 
 
 def private_cache() -> str:
@@ -82,12 +83,19 @@ class Served:
             assert time.monotonic() < deadline, f"not serving after {START_TIMEOUT_S} s\n{self.err()[-3000:]}"
             time.sleep(0.3)
 
-    def child(self, name: str) -> psutil.Process:
+    def children(self, name: str) -> list[psutil.Process]:
+        out = []
         for p in psutil.Process(self.proc.pid).children():
             with_args = " ".join(p.cmdline())
             if (name == "nats-server" and p.name() == "nats-server") or f"services.{name}" in with_args:
-                return p
-        raise LookupError(f"no {name} child of serve")
+                out.append(p)
+        return out
+
+    def child(self, name: str) -> psutil.Process:
+        found = self.children(name)
+        if not found:
+            raise LookupError(f"no {name} child of serve")
+        return found[0]
 
     def generate(self) -> httpx.Response:
         body = {
@@ -110,7 +118,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     cache = private_cache()
-    s = Served(cache, env={"SGLBUS_API_KEY": API_KEY})
+    # two gateways behind the port, as on a GPU host (the default there: one per 8 cores)
+    s = Served(cache, args=["--tokenizer-worker-num", str(GATEWAYS)], env={"SGLBUS_API_KEY": API_KEY})
     try:
         s.wait_serving()
         yield s
@@ -191,6 +200,47 @@ def test_the_bus_needs_the_token(served: Served) -> None:
     assert asyncio.run(bus_generate(url, token_of(served)))
 
 
+def requests_total(served: Served) -> float:
+    """sglang:num_requests_total as one scrape shows it (a new connection: any of the gateways)."""
+    with httpx.Client(base_url=served.url, timeout=60, headers=served.http.headers) as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    line = [x for x in r.text.splitlines() if x.startswith("sglang:num_requests_total{")]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in line)
+
+
+def settled_requests_total(served: Served) -> float:
+    """The count once 8 scrapes in a row (over new connections, so over both gateways) agree."""
+    totals: list[float] = []
+
+    def agree() -> bool:
+        totals.append(requests_total(served))
+        return len(totals) >= 8 and len(set(totals[-8:])) == 1
+
+    wait_until(agree, 30, "scrapes of every gateway agreeing on sglang:num_requests_total")
+    return totals[-1]
+
+
+@pytest.mark.slow
+def test_the_gateways_share_the_port_and_count_every_request(served: Served) -> None:
+    gateways = served.children("gateway")
+    assert len(gateways) == GATEWAYS
+    before = settled_requests_total(served)
+    clients = [httpx.Client(base_url=served.url, timeout=60, headers=served.http.headers) for _ in range(24)]
+    try:
+        for http in clients:  # 24 connections: the kernel spreads them over the gateways' sockets
+            r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
+            assert r.status_code == 200, r.text
+        held = {g.pid: sum(c.laddr.port == served.port and c.status == psutil.CONN_ESTABLISHED
+                           for c in g.net_connections("tcp")) for g in gateways}  # fmt: skip
+        assert all(held.values()), f"a gateway got none of the 24 connections: {held}"
+    finally:
+        for http in clients:
+            http.close()
+    # each gateway counted only its own share; a scrape of either one shows them all (heartbeats)
+    assert settled_requests_total(served) == before + 24
+
+
 # -- restarts ------------------------------------------------------------------------------------------
 def killed_and_restored(served: Served, name: str) -> float:
     old = served.child(name)
@@ -220,12 +270,12 @@ def test_a_killed_nats_server_is_restarted_on_its_port_with_its_token(served: Se
 @pytest.mark.slow
 def test_ctrl_c_stops_everything_in_order_and_quietly(served: Served) -> None:
     children = psutil.Process(served.proc.pid).children()
-    assert len(children) == 4
+    assert len(children) == 3 + GATEWAYS
     before = len(served.err())
     os.killpg(served.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     assert served.proc.wait(60) == 0
     log = served.err()[before:]
-    steps = ["stopping gateway", "stopping scheduler, detokenizer", "stopping nats-server"]
+    steps = ["stopping gateway, gateway\n", "stopping scheduler, detokenizer", "stopping nats-server"]
     at = [log.find(step) for step in steps]
     assert -1 not in at and at == sorted(at), log
     warnings = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]

@@ -189,6 +189,37 @@ def test_combined_server_info_sums_the_load_and_lists_each_worker() -> None:
     assert top["missing_workers"] == ["2"]
 
 
+def test_a_gateway_sums_the_request_series_of_the_other_gateways() -> None:
+    """Several gateways behind one port: a scrape reaches one of them, and shows every gateway's
+    requests (the others' come as snapshots on their heartbeats), without `_created` samples."""
+    a = GatewayMetrics("m", dict)
+    peers: list[list] = []
+    b = GatewayMetrics("m", dict, lambda: peers)
+    a.request_done("0", prompt=7, completion=3, cached=2, e2e=0.9, aborted=False)
+    a.request_done("1", prompt=5, completion=1, cached=0, e2e=0.1, aborted=True)  # a series b lacks
+    a.first_token("0", 0.3)
+    b.request_done("0", prompt=4, completion=2, cached=1, e2e=2.0, aborted=False)
+    b.first_token("0", 0.05)
+    assert orjson.loads(orjson.dumps(a.snapshot())) == a.snapshot()  # it travels as JSON
+    peers.append(orjson.loads(orjson.dumps(a.snapshot())))
+    text = b.render().decode()
+    got = samples(text)
+    w = lambda worker, *more: tuple(sorted((("engine_type", "unified"), ("model_name", "m"),
+                                             ("worker", worker), *more)))  # fmt: skip
+    assert got[("sglang:prompt_tokens_total", w("0"))] == 11
+    assert got[("sglang:num_requests_total", w("0"))] == 2
+    assert got[("sglang:prompt_tokens_total", w("1"))] == 5
+    assert got[("sglang:num_aborted_requests_total", w("1"))] == 1
+    assert got[("sglang:e2e_request_latency_seconds_count", w("0"))] == 2
+    assert got[("sglang:e2e_request_latency_seconds_sum", w("0"))] == 2.9
+    ttft = lambda le: got[("sglang:time_to_first_token_seconds_bucket", w("0", ("le", le)))]
+    assert ttft("0.1") == 1 and ttft("0.4") == 2 and ttft("+Inf") == 2
+    assert "_created" not in text
+    peers.clear()  # that gateway stopped beating: only b's own requests are left
+    assert samples(b.render().decode())[("sglang:prompt_tokens_total", w("0"))] == 4
+    assert ("sglang:prompt_tokens_total", w("1")) not in samples(b.render().decode())
+
+
 def test_metrics_needs_the_api_key() -> None:
     assert "/metrics" not in OPEN_PATHS
     gw = SimpleNamespace(metrics=GatewayMetrics("m", dict))
