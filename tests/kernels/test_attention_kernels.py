@@ -96,6 +96,29 @@ def test_decode_more_splits_than_blocks():
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_one_split_writes_the_output_directly(dtype):
+    # one split (a large batch on a GPU): stage 1 writes out itself, no combine
+    out, ref = run_decode([1, 9, 70, 133], 6, 2, 80, dtype, num_splits=1)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_decode_with_one_split_zeroes_an_empty_row_and_writes_strided_out_over_q():
+    gen = torch.Generator().manual_seed(3)
+    k_buf, v_buf, table, rows = make_pool([20, 20], 2, 64, torch.float32, gen)
+    qkv = torch.randn(2, 8, 64, generator=gen).to(DEVICE)
+    q = qkv[:, :4]
+    ref = reference(q[1:].clone(), k_buf, v_buf, table, rows[1:], [19], [1], 0.125)
+    lens = torch.tensor([0, 20], device=DEVICE)
+    rest = qkv[:, 4:].clone()
+    # out is q itself, as the model calls it: each program reads its heads before it writes them
+    decode_attention(q, k_buf, v_buf, q, table, rows, lens, decode_scratch(2, 4, 64, 1, DEVICE), 0.125)
+    assert torch.equal(q[0], torch.zeros_like(q[0]))
+    assert rel_err(q[1:], ref) < TOL[torch.float32]
+    assert torch.equal(qkv[:, 4:], rest)  # the heads past q are not written
+
+
 def test_decode_empty_row_is_zero_and_harmless():
     gen = torch.Generator().manual_seed(1)
     k_buf, v_buf, table, rows = make_pool([20, 20], 2, 64, torch.float32, gen)
