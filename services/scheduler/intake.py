@@ -101,6 +101,11 @@ class RequestIntake:
         for m in (msg, *msg.then):
             self._finish_now(self._blank(m, work), message, status_code)
 
+    def known_rids(self, rids: Iterable[str]) -> list[str]:
+        """Which of these requests this scheduler is waiting on or running."""
+        wanted = set(rids)
+        return [r.rid for r in self._all() if r.rid in wanted]
+
     def drop(self, rids: Iterable[str]) -> list[str]:
         """Release requests without a word to anyone (their output was lost on the bus, or their
         gateway is gone), with every request of their deliveries (an n > 1 group goes back whole);

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -429,11 +429,6 @@ class Scheduler(RequestIntake):
             r.finish = r.finish or Abort(message, 500)
         self._release_finished()
         return self.take_output()
-
-    def known_rids(self, rids: Iterable[str]) -> list[str]:
-        """Which of these requests this scheduler is waiting on or running."""
-        wanted = set(rids)
-        return [r.rid for r in self._all() if r.rid in wanted]
 
     # -- maintenance --------------------------------------------------------------------------
     def flush_cache(self) -> bool:
