@@ -9,11 +9,11 @@ wait on: a Python service is one core at most, whatever the machine has.
 from __future__ import annotations
 
 import os
-import threading
 from collections import defaultdict
-from types import TracebackType
 
 import psutil
+
+from benchmarks.sampler import PeriodicSampler
 
 # how a process of `sglbus serve` is named in the report: the first of these its command line contains
 _LABELS = (("services.scheduler", "scheduler"), ("services.detokenizer", "detokenizer"),
@@ -27,26 +27,15 @@ def label(cmdline: list[str]) -> str:
     return next((name for key, name in _LABELS if key in line), fallback)
 
 
-class ProcessCpu:
+class ProcessCpu(PeriodicSampler):
     """Context manager: samples the tree of `root_pid` (if any) and this process."""
 
     def __init__(self, root_pid: int | None, interval: float = 0.5) -> None:
-        self.root_pid, self.interval = root_pid, interval
+        super().__init__(interval, "proc-cpu")
+        self.root_pid = root_pid
         self.samples: defaultdict[str, list[float]] = defaultdict(list)
         self._procs: dict[int, tuple[str, psutil.Process]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="proc-cpu", daemon=True)
-
-    def __enter__(self) -> ProcessCpu:
-        self._refresh()
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._refresh()  # the first reading of each process starts its interval
 
     def _refresh(self) -> None:
         """Start tracking processes that appeared (a restarted service gets a new pid)."""
@@ -67,14 +56,13 @@ class ProcessCpu:
                 continue
             self._procs[p.pid] = (name, p)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._refresh()
-            for pid, (name, p) in list(self._procs.items()):
-                try:
-                    self.samples[f"{name} ({pid})"].append(p.cpu_percent(None))
-                except psutil.Error:
-                    del self._procs[pid]
+    def sample(self) -> None:
+        self._refresh()
+        for pid, (name, p) in list(self._procs.items()):
+            try:
+                self.samples[f"{name} ({pid})"].append(p.cpu_percent(None))
+            except psutil.Error:
+                del self._procs[pid]
 
     def report(self) -> str:
         rows = [f"{'process':<28} {'mean CPU %':>10} {'peak CPU %':>10}"]

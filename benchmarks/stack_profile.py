@@ -16,7 +16,9 @@ import collections
 import sys
 import threading
 import time
-from types import FrameType, TracebackType
+from types import FrameType
+
+from benchmarks.sampler import PeriodicSampler
 
 
 def _where(frame: FrameType) -> str:
@@ -24,43 +26,30 @@ def _where(frame: FrameType) -> str:
     return f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_firstlineno} {code.co_qualname}"
 
 
-class StackProfile:
+class StackProfile(PeriodicSampler):
     def __init__(self, interval_s: float = 0.002) -> None:
-        self.interval_s = interval_s
+        super().__init__(interval_s, "stack-profile")
         self.samples: collections.Counter[str] = collections.Counter()
         self.self_time: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.inclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stack-profile", daemon=True)
 
-    def __enter__(self) -> StackProfile:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
+    def sample(self) -> None:
         me = threading.get_ident()
-        while not self._stop.wait(self.interval_s):
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                name = names.get(ident, str(ident))
-                self.samples[name] += 1
-                self.self_time[name][_where(frame)] += 1
-                seen: set[str] = set()
-                f: FrameType | None = frame
-                while f is not None:
-                    w = _where(f)
-                    if w not in seen:
-                        seen.add(w)
-                        self.inclusive[name][w] += 1
-                    f = f.f_back
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            name = names.get(ident, str(ident))
+            self.samples[name] += 1
+            self.self_time[name][_where(frame)] += 1
+            seen: set[str] = set()
+            f: FrameType | None = frame
+            while f is not None:
+                w = _where(f)
+                if w not in seen:
+                    seen.add(w)
+                    self.inclusive[name][w] += 1
+                f = f.f_back
         time.sleep(0)
 
     def report(self, top: int = 20) -> str:
