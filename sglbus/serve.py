@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_log_args(p)
     add_cli_args(p, GatewayConfig, only=("host", "port", "api_key", "served_model_name"))
-    p.add_argument("--tokenizer-worker-num", type=int, default=int(env("SGLBUS_TOKENIZER_WORKER_NUM", "0")),
+    p.add_argument("--tokenizer-worker-num", type=int, default=env("SGLBUS_TOKENIZER_WORKER_NUM", "0"),
                    help="gateway processes sharing the HTTP port, as SGLang's tokenizer workers: each "
                         "parses, tokenizes and streams its share of the connections (default 0: one per 8 "
                         "CPU cores, 1 to 4; env SGLBUS_TOKENIZER_WORKER_NUM)")  # fmt: skip
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("serve", args.log_level)
+    gateways = args.tokenizer_worker_num or default_gateways()
+    if gateways < 1:
+        return _fail(f"--tokenizer-worker-num must be >= 1 (or 0 for the default), got {gateways}")
     try:
         engine = cli_overrides(args, EngineConfig)
         cfg = EngineConfig.from_env(**engine)  # fail fast on a bad option, before anything starts
@@ -81,9 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         model_folder(cfg.model_path, cfg.load_format != "dummy")  # converts a GGUF once, for all three
     except (ValueError, ServiceExit) as e:
         return _fail(str(e))
-    gateways = args.tokenizer_worker_num or default_gateways()
-    if gateways < 1:
-        return _fail(f"--tokenizer-worker-num must be >= 1 (or 0 for the default), got {gateways}")
     if port_in_use(gw.host, gw.port):
         return _fail(f"port {gw.port} on {gw.host} is in use by another process; pick another with --port")
     if args.nats_url is None and args.nats_creds:

@@ -324,6 +324,14 @@ def test_a_taken_nats_port_is_one_line_and_exit_2() -> None:
     assert len(lines) == 1 and "--nats-port" in lines[0], r.stderr
 
 
+def test_a_bad_gateway_count_is_one_line_and_exit_2() -> None:
+    r = run_serve(["--nats-port", str(free_port()), "--tokenizer-worker-num", "-1"])
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tokenizer-worker-num must be >= 1" in lines[0], r.stderr
+    assert "embedded NATS" not in r.stdout
+
+
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_service_with_a_bad_model_path_is_one_line_and_exit_2(service: str) -> None:
     cmd = [sys.executable, "-m", f"services.{service}", "--model-path", "/nonexistent/model"]
