@@ -100,6 +100,16 @@ class _SchedulerCollector:
 Sample = list[Any]
 
 
+def checked_snapshot(raw: Any) -> list[Sample]:
+    """The well-formed samples of another gateway's snapshot (it came over the bus: never trusted)."""
+    if not isinstance(raw, list):
+        return []
+    return [x for x in raw if isinstance(x, list) and len(x) == 4 and isinstance(x[0], str)
+            and isinstance(x[1], str) and isinstance(x[2], dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in x[2].items())
+            and isinstance(x[3], int | float) and not isinstance(x[3], bool)]  # fmt: skip
+
+
 class _RequestCollector:
     """This gateway's request series plus the other live gateways' (their heartbeats' snapshots)."""
 

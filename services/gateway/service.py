@@ -16,7 +16,7 @@ import orjson
 from services.gateway.bus_api import BusApi
 from services.gateway.config import GatewayConfig
 from services.gateway.fanout import FanOut, combine_server_info, gather
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, checked_snapshot
 from services.gateway.openai_serving import OpenAIServing
 from services.gateway.request_manager import RequestManager
 from shared.heartbeat import Heartbeat
@@ -183,8 +183,8 @@ class Gateway:
         if service == "gateway" and worker != self.requests.out_subject:
             if beat.get("leaving"):
                 self._peer_metrics.pop(worker, None)
-            elif isinstance(beat.get("request_metrics"), list):
-                self._peer_metrics[worker] = (now, beat["request_metrics"])
+            elif "request_metrics" in beat:
+                self._peer_metrics[worker] = (now, checked_snapshot(beat["request_metrics"]))
             return
         if service not in ("scheduler", "detokenizer") or not isinstance(worker, str):
             return

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from services.gateway.fanout import FanOut, combine_server_info, gather
 from services.gateway.http_app import OPEN_PATHS, ApiKeyAuth
-from services.gateway.metrics import GatewayMetrics, metrics_route, scheduler_families
+from services.gateway.metrics import GatewayMetrics, checked_snapshot, metrics_route, scheduler_families
 from shared.messages import BatchTextOut, Decoder, TextOut, encode_split
 from shared.metrics import GRAMMAR_COMPILE_BUCKETS, BucketCounts
 from shared.transport import InProcessTransport, Message
@@ -215,6 +215,11 @@ def test_a_gateway_sums_the_request_series_of_the_other_gateways() -> None:
     ttft = lambda le: got[("sglang:time_to_first_token_seconds_bucket", w("0", ("le", le)))]
     assert ttft("0.1") == 1 and ttft("0.4") == 2 and ttft("+Inf") == 2
     assert "_created" not in text
+    # a malformed snapshot off the bus loses its bad samples, never the scrape
+    bad = [["sglang:prompt_tokens", "sglang:prompt_tokens_total", {"worker": 1}, 5], ["x"], 7,
+           ["sglang:prompt_tokens", "sglang:prompt_tokens_total", {}, "5"]]  # fmt: skip
+    assert checked_snapshot(bad) == [] and checked_snapshot({"a": 1}) == []
+    assert checked_snapshot(a.snapshot()) == a.snapshot()
     peers.clear()  # that gateway stopped beating: only b's own requests are left
     assert samples(b.render().decode())[("sglang:prompt_tokens_total", w("0"))] == 4
     assert ("sglang:prompt_tokens_total", w("1")) not in samples(b.render().decode())
