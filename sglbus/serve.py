@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(p, GatewayConfig, only=("host", "port", "api_key", "served_model_name"))
     p.add_argument("--tokenizer-worker-num", type=int, default=env("SGLBUS_TOKENIZER_WORKER_NUM", "0"),
                    help="gateway processes sharing the HTTP port, as SGLang's tokenizer workers: each "
-                        "parses, tokenizes and streams its share of the connections (default 0: one per 8 "
+                        "parses, tokenizes and streams its share of the connections (default: 0, one per 8 "
                         "CPU cores, 1 to 4; env SGLBUS_TOKENIZER_WORKER_NUM)")  # fmt: skip
     bus = add_bus_args(p, url=False, token_default="with the embedded NATS, a new random one")
     bus.add_argument("--nats-url", default=env("SGLBUS_NATS_URL"),
