@@ -18,7 +18,7 @@ from benchmarks.sampler import PeriodicSampler
 # how a process of `sglbus serve` is named in the report: the first of these its command line contains
 _LABELS = (("services.scheduler", "scheduler"), ("services.detokenizer", "detokenizer"),
            ("services.gateway", "gateway"), ("nats-server", "nats-server"),
-           ("sglbus.cli", "serve"))  # fmt: skip
+           ("sglbus.cli", "serve"), ("benchmarks.serving", "client"))  # fmt: skip
 
 
 def label(cmdline: list[str]) -> str:
@@ -39,7 +39,8 @@ class ProcessCpu(PeriodicSampler):
 
     def _refresh(self) -> None:
         """Start tracking processes that appeared (a restarted service gets a new pid)."""
-        found = [psutil.Process()]
+        me = psutil.Process()
+        found = [me, *me.children(recursive=True)]  # a launched server, --client-processes
         if self.root_pid is not None:
             try:
                 root = psutil.Process(self.root_pid)

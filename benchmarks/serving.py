@@ -19,7 +19,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
+import queue
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +38,8 @@ from tqdm import tqdm
 from benchmarks.launch import add_target_args, append_result, machine_info, percentile, target
 from benchmarks.proc_cpu import ProcessCpu
 from benchmarks.workloads import Workload, random_workload, shared_prefix_workload
+
+_CLIENTS_START_S = 120.0  # --client-processes > 1: how long their start-up (imports) may take
 
 # GenerateReqInput fields: an --extra-request-body key with one of these names goes to the top level of
 # the request; every other key is a sampling parameter (merged into sampling_params)
@@ -78,10 +82,19 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     t.add_argument("--max-concurrency", type=int, default=None)
     t.add_argument("--extra-request-body", default=None, help="JSON, e.g. '{\"frequency_penalty\": 1.1}'")
     t.add_argument("--disable-tqdm", action="store_true")
+    t.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="send the requests from this many processes (one client is ~1 core at 20k tok/s)",
+    )
     t.add_argument("--sample-cpu", action="store_true",
                    help="print the CPU use of each server process and the client")  # fmt: skip
     t.add_argument("--output-file", default=None, help="append one JSONL row with all metrics")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.client_processes < 1:
+        p.error("--client-processes must be >= 1")
+    return args
 
 
 def build(args: argparse.Namespace, vocab_size: int) -> Workload:
@@ -204,16 +217,30 @@ async def warmup(session: aiohttp.ClientSession, base: str, workload: Workload) 
     print("warning: /flush_cache kept failing; the run may see warmup cache hits", file=sys.stderr)
 
 
-async def benchmark(args: argparse.Namespace, base: str, workload: Workload) -> tuple[list[Output], float]:
-    top, sampling = split_extra(args.extra_request_body)
+def _session() -> aiohttp.ClientSession:
     # aiohttp, as SGLang's bench_serving: its C parser keeps one client process ahead of ~20k streamed
     # tokens a second, where httpx's pure-Python one held a core and paced the whole served run
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20)
+
+
+async def _warmup(base: str, workload: Workload) -> None:
+    async with _session() as client:
         await warmup(client, base, workload)
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        pbar = tqdm(total=len(workload), disable=args.disable_tqdm)
+
+
+async def _send_all(
+    args: argparse.Namespace, base: str, workload: Workload, start: float, index: int
+) -> tuple[list[Output], float]:
+    """Client `index` of --client-processes: its share of the arrivals from `start` on; its outputs
+    and when the last one ended."""
+    top, sampling = split_extra(args.extra_request_body)
+    n = args.client_processes
+    async with _session() as client:
+        mc = args.max_concurrency
+        sem = asyncio.Semaphore(-(-mc // n)) if mc else None
+        pbar = tqdm(total=len(workload), disable=args.disable_tqdm or n > 1)
 
         async def one(ids: list[int], n_out: int) -> Output:
             if sem is None:
@@ -224,13 +251,58 @@ async def benchmark(args: argparse.Namespace, base: str, workload: Workload) -> 
             pbar.update(1)
             return out
 
-        t0 = time.perf_counter()
-        tasks = [asyncio.create_task(one(ids, n)) async for ids, n in arrivals(workload, args.request_rate,
-                                                                               args.seed)]  # fmt: skip
+        await asyncio.sleep(max(0.0, start - time.perf_counter()))
+        arriving = arrivals(workload, args.request_rate / n, args.seed + index)
+        tasks = [asyncio.create_task(one(ids, n_out)) async for ids, n_out in arriving]
         outputs = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
+        end = time.perf_counter()
         pbar.close()
-    return list(outputs), duration
+    return list(outputs), end
+
+
+def _client_process(
+    args: argparse.Namespace, base: str, workload: Workload, index: int, ready: Any, go: Any, results: Any
+) -> None:
+    """One of --client-processes (spawned: no locks of the parent's threads come along): ready, then
+    its share of the requests from the parent's go."""
+    ready.wait()
+    go.wait()
+    results.put((index, asyncio.run(_send_all(args, base, workload, time.perf_counter(), index))))
+
+
+def benchmark(args: argparse.Namespace, base: str, workload: Workload) -> tuple[list[Output], float]:
+    """All requests, from one client process or from --client-processes of them (each every n-th
+    request, all released together once they have started); the outputs in workload order and the
+    duration from the start to the last output."""
+    asyncio.run(_warmup(base, workload))
+    n = args.client_processes
+    if n == 1:
+        start = time.perf_counter()
+        outputs, end = asyncio.run(_send_all(args, base, workload, start, 0))
+        return outputs, end - start
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, results = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(args, base, workload[i::n], i, ready, go, results),
+                         daemon=True) for i in range(n)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    ready.wait(_CLIENTS_START_S)
+    start = time.perf_counter()
+    go.set()
+    parts: dict[int, tuple[list[Output], float]] = {}
+    while len(parts) < n:
+        try:
+            index, part = results.get(timeout=1.0)
+            parts[index] = part
+        except queue.Empty:
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                raise RuntimeError("a client process died") from None
+    for proc in procs:
+        proc.join()
+    outputs: list[Output] = [Output()] * len(workload)
+    for i, (outs, _) in parts.items():
+        outputs[i::n] = outs
+    return outputs, max(end for _, end in parts.values()) - start
 
 
 def metrics(workload: Workload, outputs: list[Output], duration: float, tok: Any) -> dict[str, Any]:
@@ -307,7 +379,7 @@ def run(args: argparse.Namespace, base: str, server_pid: int | None = None) -> d
     tok, vocab = load_tokenizer_and_vocab(args, model_info, server_info)
     workload = build(args, vocab)
     with ProcessCpu(server_pid) if args.sample_cpu else contextlib.nullcontext() as cpu:
-        outputs, duration = asyncio.run(benchmark(args, base, workload))
+        outputs, duration = benchmark(args, base, workload)
     failed = [o.error for o in outputs if not o.success]
     if failed:
         print(f"{len(failed)} requests failed, e.g. {failed[0]}", file=sys.stderr)
