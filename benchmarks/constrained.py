@@ -84,15 +84,26 @@ def workload(kind: str, n: int) -> tuple[list[str], dict[str, Any], Any]:
 
 
 def run(
-    engine, prompts: list[str], params: list[dict[str, Any]]
+    engine, prompts: list[str], params: list[dict[str, Any]], trace: bool = False
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """One timed batch; trace: print where the scheduler thread's time went by phase, and on CUDA the
+    device time by step kind (benchmarks/step_trace.py, as `benchmarks.offline --step-trace`)."""
     engine.flush_cache()
+    if trace:
+        engine._on_scheduler(lambda s: (setattr(s.timer, "trace", []), setattr(s.timer, "laps", [])))
     before = engine.get_stats()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - t0
+    if trace:
+        from benchmarks.step_trace import summarize, summarize_laps
+
+        print(summarize_laps(engine._on_scheduler(lambda s: s.timer.laps)))
+        if steps := engine._on_scheduler(lambda s: s.timer.trace):  # empty on CPU
+            print(summarize(steps))
+        engine._on_scheduler(lambda s: (setattr(s.timer, "trace", None), setattr(s.timer, "laps", None)))
     after = engine.get_stats()
-    keys = ("steps", "step_s", "generated_tokens", "jump_forward_tokens", "retokenized")
+    keys = ("steps", "step_s", "generated_tokens", "jump_forward_tokens", "retokenized", "row_steps")
     d = {k: after[k] - before.get(k, 0) for k in keys if k in after}
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     d.update(
@@ -110,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default=None, help="dummy: random weights from a config-only folder")
     p.add_argument("--output-file", default=None, help="append the figures as a JSONL row")
     p.add_argument("--profile", action="store_true", help="sample the threads' Python stacks in each run")
+    p.add_argument("--step-trace", action="store_true", help="the scheduler's time by phase in each run")
     args = p.parse_args(argv)
 
     import sglbus
@@ -123,14 +135,16 @@ def main(argv: list[str] | None = None) -> int:
             with sglbus.Engine(disable_jump_forward=not jump, **opts) as engine:
                 engine.generate(prompts[:2], params)  # warm up: the grammar compiles, first-step allocations
                 with StackProfile() if args.profile else contextlib.nullcontext() as prof:
-                    outs, row[name] = run(engine, prompts, [params] * len(prompts))
+                    print(f"-- {name}")
+                    outs, row[name] = run(engine, prompts, [params] * len(prompts), args.step_trace)
                 if prof is not None:
                     print(f"-- profile of {name}\n{prof.report(top=25)}")
                 row[name]["valid"] = sum(valid(o["text"]) for o in outs)
                 if not jump:  # C: unconstrained, B's token counts
                     lens = [o["meta_info"]["completion_tokens"] for o in outs]
                     free = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for n in lens]
-                    _, row["unconstrained"] = run(engine, prompts, free)
+                    print("-- unconstrained")
+                    _, row["unconstrained"] = run(engine, prompts, free, args.step_trace)
         a, b, c = row["jump_forward"], row["no_jump_forward"], row["unconstrained"]
         row["speedup"] = a["tok_s"] / b["tok_s"]
         row["forward_ratio"] = b["steps"] / a["steps"]

@@ -40,6 +40,7 @@ class NoModel:
     def __init__(self, batch: int, context: int, kv_tokens: int | None = None, overlap: bool = False) -> None:
         self.device, self.context_len = torch.device("cpu"), context
         self.max_running_requests, self.chunked_prefill_size, self.overlap_schedule = batch, 8192, overlap
+        self.rows_max_tokens = 0
         self.model_config = SimpleNamespace(eos_token_ids=(VOCAB - 1,), vocab_size=VOCAB)
         shape = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
         self.kv = KVPool(shape, kv_tokens or batch * context, torch.float32, "cpu")

@@ -120,6 +120,8 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.attn, self.req_to_token, max_bs)
             log.info("captured %d CUDA graphs (decode batches up to %d) in %.1f s",
                      len(self.graphs.buckets), max_bs, time.perf_counter() - t0)  # fmt: skip
+        # steps of short extends run as one-token rows of a decode graph (StepInputs.as_rows); 0: never
+        self.rows_max_tokens = self.graphs.max_bs if self.graphs is not None else 0
         if self.device.type == "cuda":
             from services.scheduler.warmup import warm_up
 

@@ -95,7 +95,7 @@ class Scheduler(RequestIntake):
         self._last_check: InBatchPrefixCheck | None = None
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "overlapped_steps": 0, "forward_s": 0.0, "step_s": 0.0, "retractions": 0,
-                      "request_failures": 0, "cache_flushes": 0}  # fmt: skip
+                      "request_failures": 0, "cache_flushes": 0, "row_steps": 0}  # fmt: skip
         self.sampling = SampleStep(runner, self.req_to_token.table.shape[0], self.stats)
         self.timer = StepTimer(runner.device, self.stats)
         mc, on = runner.model_config, config.enable_cascade_attention and runner.attn.supports_cascade
@@ -312,6 +312,9 @@ class Scheduler(RequestIntake):
         assert loc is not None and loc.numel() == step.num_tokens, "the step's slots were promised"
         self._promised, self._step_slots = 0, loc
         cascade = self.cascade.plan(decodes) if self.cascade else None
+        if cascade is None and step.fits_rows(self.runner.rows_max_tokens):
+            step.as_rows()
+            self.stats["row_steps"] += 1
         self.timer.lap("slots")
         in_flight = None
         if step.from_flight:

@@ -15,6 +15,13 @@ from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 
+# a step of short extends may run as one-token rows (`as_rows`) when each extend has at most this many
+# tokens and the rows re-read at most this many KV entries in all (row j of an extend reads its prefix
+# again: ~130 KB a token for an 8B model, so 2^17 entries are ~17 GB, a few ms on an H200, well under
+# what an eager step costs over a graph replay)
+ROWS_MAX_EXTEND = 16
+ROWS_MAX_READS = 1 << 17
+
 
 @dataclass
 class StepInputs:
@@ -60,6 +67,31 @@ class StepInputs:
                 s.logits_idx.append(start - 1)
         s.num_tokens = start
         return s
+
+    def fits_rows(self, max_tokens: int) -> bool:
+        """Whether this step, which has extends, may run as one-token rows (`as_rows`): at most
+        max_tokens rows (the largest CUDA graph), no prompt logprobs, short extends, bounded re-reads."""
+        if self.num_tokens == len(self.rows) or self.num_tokens > max_tokens or self.lp_idx:
+            return False
+        reads = 0
+        for c, n in zip(self.prefix_lens, self.extend_lens, strict=True):
+            if n > ROWS_MAX_EXTEND:
+                return False
+            reads += n * (c + n) if n > 1 else 0
+        return reads <= ROWS_MAX_READS
+
+    def as_rows(self) -> None:
+        """Every token becomes a one-token row of its request, so the step runs in DECODE mode (a CUDA
+        graph replay instead of an eager extend: jump-forward's forced tokens, the few new tokens of a
+        request after a cache hit). Row j of a k-token extend attends to its prefix and the j tokens
+        before it, which each layer stores before it attends. The flat token order is unchanged, so
+        the logits and in-flight indices stay as they are."""
+        rows: list[int] = []
+        prefix: list[int] = []
+        for row, c, n in zip(self.rows, self.prefix_lens, self.extend_lens, strict=True):
+            rows += [row] * n
+            prefix += range(c, c + n)
+        self.rows, self.prefix_lens, self.extend_lens = rows, prefix, [1] * len(rows)
 
     def forward_batch(
         self,

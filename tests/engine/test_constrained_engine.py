@@ -61,14 +61,15 @@ def test_a_bad_grammar_is_a_400_and_ends_only_its_request(engine):
 def test_grammars_under_overlap_scheduling_match_the_synchronous_loop(engine, make_engine):
     """The GPU's default loop on CPU: a step with a constrained request decoding the token in flight
     completes that step between its forward and its sampling (the mask needs the token), every step
-    still overlaps, and the tokens are the synchronous loop's (the module engine's: CPU's default),
-    jump-forward included."""
+    still overlaps, a jump's forced tokens run as one-token rows (the CUDA-graph layout), and the
+    tokens are the synchronous loop's (the module engine's: CPU's default), jump-forward included."""
     phone = [{"temperature": 0.7, "max_new_tokens": 24, "regex": PHONE, "sampling_seed": s} for s in range(3)]
     person = {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(PERSON)}
     free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     prompts = ["Call me at"] * 3 + ["Bob is 45 and lives in Berlin. As JSON:", "Tell me"]
     outs = {False: engine.generate(prompts, [*phone, person, free])}
     overlapped = make_engine(disable_overlap_schedule=False)
+    overlapped._on_scheduler(lambda s: setattr(s.runner, "rows_max_tokens", 64))
     outs[True] = overlapped.generate(prompts, [*phone, person, free])
     stats = overlapped.get_stats()
     assert [o["output_ids"] for o in outs[True]] == [o["output_ids"] for o in outs[False]]
@@ -77,6 +78,7 @@ def test_grammars_under_overlap_scheduling_match_the_synchronous_loop(engine, ma
     assert set(json.loads(outs[True][3]["text"])) == {"name", "age", "city"}
     assert outs[True][4]["meta_info"]["completion_tokens"] == 12
     assert stats["overlapped_steps"] >= stats["steps"] - 2 and stats["jump_forward_tokens"] > 0
+    assert stats["row_steps"] > 0
 
 
 PEOPLE = [("Alice", 31, "Paris"), ("Bob", 45, "Berlin"), ("Chen", 22, "Shanghai")]

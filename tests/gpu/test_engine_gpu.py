@@ -78,3 +78,34 @@ def test_bf16_stays_close_to_fp32(make_engine):
         same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(lr))
         assert same >= 4, "bf16 diverged from fp32 within 4 tokens"
         assert max(abs(a - b) for a, b in zip(lg[:same], lr[:same], strict=True)) < BF16_LOGPROB_TOL
+
+
+@pytest.fixture(scope="module")
+def small_random(tmp_path_factory):
+    """A random-weight Llama of the default model's vocabulary; its tokenizer from the folder in
+    SGLBUS_GPU_TEST_MODEL when set (so this runs where the default model was not carried)."""
+    import os
+
+    from tiny_llama import tiny_llama
+
+    from shared.model_files import resolve_model_folder, write_dummy_folder
+
+    source = os.environ.get("SGLBUS_GPU_TEST_MODEL") or resolve_model_folder(None, need_weights=False)
+    config = tiny_llama(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                        max_position_embeddings=1024)  # fmt: skip
+    return write_dummy_folder(str(tmp_path_factory.mktemp("small")), config, seed=5, tokenizer_from=source)
+
+
+def test_short_extends_as_graph_rows_change_nothing(make_engine, small_random):
+    """After a cache hit each prompt adds a few tokens: with CUDA graphs they run as one-token rows of
+    a decode graph (StepInputs.as_rows), without as extends; the same greedy tokens."""
+    outs, rows = {}, {}
+    for graphs in (False, True):
+        engine = make_engine(model_path=small_random, device="cuda", max_total_tokens=65536, dtype="float32",
+                             disable_cuda_graph=not graphs)  # fmt: skip
+        engine.generate(PROMPTS, [{**GREEDY, "max_new_tokens": 1}] * len(PROMPTS))  # the prompts cached
+        more = [p + " Then" for p in PROMPTS]
+        outs[graphs] = engine.generate(more, [GREEDY] * len(more), return_logprob=True, top_logprobs_num=2)
+        rows[graphs] = engine.get_stats()["row_steps"]
+    assert rows[False] == 0 and rows[True] >= 1
+    assert_same_greedy(outs[True], outs[False])

@@ -69,6 +69,17 @@ def test_triton_backend_matches_torch(make_engine, tiny, torch_ref, options):
             assert abs(lg - lr) < 1e-4
 
 
+def test_short_extends_as_decode_rows_match_torch(make_engine, tiny, torch_ref):
+    """The CUDA-graph path's layout on CPU: the cache hit's 3-token extend runs as three one-token rows
+    beside the decodes (each row's attention stops at its own position), with the torch tokens."""
+    engine = make_engine(model_path=tiny, attention_backend="triton", device="cpu")
+    engine._on_scheduler(lambda s: setattr(s.runner, "rows_max_tokens", 64))
+    first = engine.generate(input_ids=PROMPTS[0], sampling_params=PARAMS)
+    second = engine.generate(input_ids=PROMPTS[1], sampling_params=PARAMS)  # alone: 3 new tokens as rows
+    assert engine.get_stats()["row_steps"] == 1
+    assert [first["output_ids"], second["output_ids"]] == [o["output_ids"] for o in torch_ref[:2]]
+
+
 def test_shared_prefix_decode_matches_torch(make_engine, tiny, monkeypatch):
     """Four requests over one cached 40-token prefix decode through the cascade kernel (thresholds
     lowered to fit the tiny model) and give the torch backend's greedy tokens."""

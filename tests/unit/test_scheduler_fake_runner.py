@@ -30,6 +30,7 @@ class FakeRunner:
     """Next token = last input token + 1 (mod V - 1: never POISON); NaN logits after POISON."""
 
     overlap_schedule = False
+    rows_max_tokens = 0  # no CUDA graphs: extends stay extends
 
     def __init__(self, pool: int = 256, context: int = 64, rows: int = 8) -> None:
         self.device = torch.device("cpu")
