@@ -348,8 +348,9 @@ class Scheduler(RequestIntake):
             r.num_computed += r.extend_len
             r.extend_len = 0
         logits = out.logits
-        if defer:
+        if defer:  # the masks fill while the step in flight completes (GrammarMaskProcessor.begin)
             done, self._inflight = self._inflight, None
+            self.sampling.grammar_mask.begin(samplers)
             self._complete(done)
             keep = [j for j, r in enumerate(samplers) if r.finish is None and r.fill_len == r.num_computed]
             if len(keep) < len(samplers):
@@ -357,6 +358,8 @@ class Scheduler(RequestIntake):
                     logits[to_device(keep, torch.int64, logits.device)],
                     [samplers[j] for j in keep],
                 )
+            if not samplers:
+                self.sampling.grammar_mask.drop()
         drawn = self.sampling.launch(logits, samplers, sync=not self.overlap) if samplers else None
         marks = self.timer.end(start, fb.mode, fb.batch_size, fb.num_tokens)
         self.stats["forward_s"] += time.perf_counter() - t1
@@ -391,6 +394,8 @@ class Scheduler(RequestIntake):
                 start: int | None = len(r.output) - 1
             elif (start := self.grammar_decode.advance(r, tok, self.grammars.retokenizer)) is None:
                 continue  # the grammar refused it: aborted
+            elif r.finish is None and r.fill_len == r.num_computed:  # it draws next (no jump): its mask
+                self.sampling.grammar_mask.ready(r)
             self.output.emit(r, r.output[start:])
             generated += 1
         self.stats["generated_tokens"] += generated
@@ -427,6 +432,7 @@ class Scheduler(RequestIntake):
         if self._step_slots is not None:
             self.kv.free(self._step_slots)
         self._promised, self._step_slots, self._inflight = 0, None, None
+        self.sampling.grammar_mask.drop()
         for r in self.running:
             r.extend_len = 0
             r.finish = r.finish or Abort(message, 500)

@@ -104,7 +104,7 @@ def test_short_extends_as_graph_rows_change_nothing(make_engine, small_random):
         engine = make_engine(model_path=small_random, device="cuda", max_total_tokens=65536, dtype="float32",
                              disable_cuda_graph=not graphs)  # fmt: skip
         engine.generate(PROMPTS, [{**GREEDY, "max_new_tokens": 1}] * len(PROMPTS))  # the prompts cached
-        more = [p + " Then" for p in PROMPTS]
+        more = [p + " Then, a few words later," for p in PROMPTS]  # one-token extends: a decode batch anyway
         outs[graphs] = engine.generate(more, [GREEDY] * len(more), return_logprob=True, top_logprobs_num=2)
         rows[graphs] = engine.get_stats()["row_steps"]
     assert rows[False] == 0 and rows[True] >= 1

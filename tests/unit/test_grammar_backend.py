@@ -96,6 +96,10 @@ def test_a_disallowed_token_is_refused_with_a_reason(setup):
     m = backend.compile(GrammarSpec("regex", r"[0-9]+")).matcher()
     assert not m.accept(tok.encode("x", add_special_tokens=False))
     assert m.error
+    # all or nothing: "12" then "x" refused leaves the matcher where it was (it still takes "3")
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    assert not m.accept(enc("12") + enc("x"))
+    assert m.accept(enc("3")), m.error
 
 
 @pytest.mark.parametrize("spec", [GrammarSpec("regex", "(unclosed"), GrammarSpec("json_schema", "{not json"),
@@ -163,6 +167,53 @@ def test_batched_masks_equal_the_rows_one_by_one(setup):
         m.fill_bitmask(row)
         assert torch.equal(batched[j], row), j
     assert not torch.equal(batched[0], batched[1])
+    rows = [7, 0, 5, 2, 6, 1]  # into given rows, every word written
+    scattered = torch.full((8, words), -1, dtype=torch.int32)
+    fill_bitmasks(matchers, scattered, rows)
+    assert all(torch.equal(scattered[r], batched[j]) for j, r in enumerate(rows))
+
+
+@pytest.mark.parametrize("gone", [2, 5])  # a row inside the draw's plan, or its last constrained one
+def test_masks_filled_while_matchers_advance_equal_the_draws_own(setup, monkeypatch, gone):
+    """GrammarMaskProcessor: rows reported ready one by one are filled in chunks on the worker thread
+    (`begin` / `ready`), the rest at the draw, a ready row of a request that left is ignored; the
+    masked logits equal those of a draw that fills every row itself."""
+    from types import SimpleNamespace
+
+    import services.scheduler.sampling.grammar_mask as gm
+
+    monkeypatch.setattr(gm, "CHUNK", 2)
+    backend, tok, mc = setup
+    specs = [GrammarSpec("regex", r"\d{3}-[a-z]+"), GrammarSpec("json_schema", '{"type": "integer"}')]
+
+    def reqs():
+        out = []
+        for i in range(7):  # the last without a grammar
+            m = backend.compile(specs[i % 2]).matcher() if i != 6 else None
+            out.append(SimpleNamespace(uid=i, matcher=m, grammar=m and specs[i % 2], pending=1))
+        out[0].matcher.accept(tok.encode("12", add_special_tokens=False))
+        return out
+
+    def masked(plan: bool) -> torch.Tensor:
+        p = gm.GrammarMaskProcessor(mc.vocab_size, torch.device("cpu"))
+        batch = reqs()
+        for r in batch:
+            p.admit(r)
+        logits = torch.randn(len(batch), mc.vocab_size, generator=torch.Generator().manual_seed(0))
+        if plan:
+            p.begin(batch)
+            for r in batch[:5]:  # rows 5 and 6 never reported: filled by apply
+                p.ready(r)
+            p.ready(SimpleNamespace(uid=99, matcher=batch[0].matcher))  # not in this draw
+        kept = [r for r in batch if r.uid != gone]  # a request that finished meanwhile: dropped
+        logits = logits[[r.uid for r in kept]]
+        p.apply(logits, kept, torch.zeros(len(kept), 1, dtype=torch.int64))
+        return logits
+
+    planned, plain = masked(True), masked(False)
+    assert torch.equal(planned, plain)
+    free = [u for u in range(7) if u != gone].index(6)
+    assert torch.isinf(plain[0]).sum() > 0 and not torch.isinf(plain[free]).any()  # the free request
 
 
 @pytest.mark.parametrize("name", ["llguidance", "xgrammar"])

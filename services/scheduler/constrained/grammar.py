@@ -50,7 +50,8 @@ class Matcher(ABC):
         """row: int32 [ceil(vocab / 32)] on the CPU; bit t of word t // 32 set when token t may come next."""
 
     @abstractmethod
-    def accept(self, tokens: list[int]) -> bool: ...
+    def accept(self, tokens: list[int]) -> bool:
+        """Take all of `tokens`, or none: False (and `error` says why) leaves the state unchanged."""
 
     @abstractmethod
     def validate(self, tokens: list[int]) -> int:
@@ -72,15 +73,16 @@ class Matcher(ABC):
         """Why the matcher refused a token ('' when it did not)."""
 
 
-def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor) -> None:
-    """Row j of `out` gets matchers[j]'s mask, in one batched call when they share a backend that has
-    one (`fill_batch`), else one by one."""
+def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Row rows[j] of `out` (row j without `rows`) gets matchers[j]'s mask, in one batched call when
+    they share a backend that has one (`fill_batch`), else one by one."""
+    rows = list(range(len(matchers))) if rows is None else rows
     kind = type(matchers[0])
     batch = getattr(kind, "fill_batch", None)
     if batch is not None and all(type(m) is kind for m in matchers):
-        batch(matchers, out)
+        batch(matchers, out, rows)
         return
-    for j, m in enumerate(matchers):
+    for j, m in zip(rows, matchers, strict=True):
         m.fill_bitmask(out[j])
 
 

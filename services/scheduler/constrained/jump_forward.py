@@ -88,17 +88,18 @@ class GrammarDecode:
             return len(out)
         tail = self._tail(r)
         new = retokenizer.retokenize(out[len(out) - tail :] + forced) if tail else None
-        keep = len(out)
+        keep, taken = len(out), False
         if new is not None and new != out[len(out) - tail :] + forced:
             same = _common(out[len(out) - tail :], new)
             changed = new[same:][: room + tail - same]
             m.rollback(tail - same)
-            if m.validate(changed) == len(changed):
+            if taken := m.accept(changed):  # all of them or none
                 keep, forced = len(out) - tail + same, changed
                 self.stats["retokenized"] += 1
             else:  # the grammar does not take the canonical tokens: the old ones back, forced as they are
                 m.accept(out[len(out) - tail + same :])
-        assert m.accept(forced), m.error
+        if not taken:
+            assert m.accept(forced), m.error
         self._replace(r, keep, forced)
         self.stats["jump_forward_steps"] += 1
         self.stats["jump_forward_tokens"] += len(forced)

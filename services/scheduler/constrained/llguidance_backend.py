@@ -37,20 +37,25 @@ def _executor():
 class LLGuidanceMatcher(Matcher):
     def __init__(self, m) -> None:  # an llguidance.LLMatcher
         self._m = m
+        self._refused = ""
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     @staticmethod
-    def fill_batch(matchers: list[Matcher], out: torch.Tensor) -> None:
+    def fill_batch(matchers: list[Matcher], out: torch.Tensor, rows: list[int]) -> None:
         """All rows at once on llguidance's thread pool (the GIL released): a mask takes ~45 us on the
         default model, so 256 of them one after the other would be ~12 ms of every step."""
         assert out.dtype == torch.int32 and out.is_contiguous() and out.device.type == "cpu"
-        pairs = [(m._m, j) for j, m in enumerate(matchers)]  # type: ignore[attr-defined]
+        pairs = [(m._m, j) for j, m in zip(rows, matchers, strict=True)]  # type: ignore[attr-defined]
         _executor().unsafe_compute_mask_ptr(pairs, out.data_ptr(), out.shape[1] * 4, out.shape[0])
 
     def accept(self, tokens: list[int]) -> bool:
+        n = self._m.validate_tokens(tokens)  # consume_tokens would take the valid ones before a refusal
+        if n < len(tokens):
+            self._refused = f"token {tokens[n]} is not allowed here"
+            return False
         return self._m.consume_tokens(tokens)
 
     def validate(self, tokens: list[int]) -> int:
@@ -69,7 +74,7 @@ class LLGuidanceMatcher(Matcher):
 
     @property
     def error(self) -> str:
-        return self._m.get_error() if self._m.is_error() else ""
+        return self._m.get_error() if self._m.is_error() else self._refused
 
 
 class LLGuidanceGrammar(CompiledGrammar):

@@ -41,12 +41,13 @@ class XGrammarMatcher(Matcher):
         self._m.fill_next_token_bitmask(row.view(1, -1), 0)
 
     @staticmethod
-    def fill_batch(matchers: list[Matcher], out: torch.Tensor) -> None:
-        """All rows in one call on xgrammar's threads."""
+    def fill_batch(matchers: list[Matcher], out: torch.Tensor, rows: list[int]) -> None:
+        """All rows in one call on xgrammar's threads (the GIL released): matchers[j] fills out[rows[j]]."""
         assert out.dtype == torch.int32 and out.is_contiguous() and out.device.type == "cpu"
         first = matchers[0]
         assert isinstance(first, XGrammarMatcher)
-        first._backend.batcher.batch_fill_next_token_bitmask([m._m for m in matchers], out)  # type: ignore[attr-defined]
+        ms = [m._m for m in matchers]  # type: ignore[attr-defined]
+        first._backend.batcher.batch_fill_next_token_bitmask(ms, out, rows)
 
     def accept(self, tokens: list[int]) -> bool:
         for i, t in enumerate(tokens):
