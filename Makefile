@@ -27,8 +27,10 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/sglbus serve $(ARGS)
 
+# two workers, each file's tests on one of them (module fixtures: engines, servers); the suite waits
+# on servers and subprocesses often enough that two workers on two cores take ~2/3 of the time
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
