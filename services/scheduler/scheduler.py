@@ -383,6 +383,8 @@ class Scheduler(RequestIntake):
         self.timer.collect(st.marks)
         self.timer.lap("wait")
         generated = 0
+        decode = self.grammar_decode  # the constrained requests' matchers take their tokens at once
+        accepted = decode.accept_all(st.samplers, tokens) if self.sampling.grammar_mask.active else {}
         for r, tok in zip(st.samplers, tokens, strict=True):
             if r.pending_step == st.number:  # else its token of the next step, launched already, waits
                 r.pending = 0
@@ -392,7 +394,7 @@ class Scheduler(RequestIntake):
                 r.output.append(tok)
                 r.check_finished(tok, self.context_len)
                 start: int | None = len(r.output) - 1
-            elif (start := self.grammar_decode.advance(r, tok, self.grammars.retokenizer)) is None:
+            elif (start := decode.advance(r, tok, self.grammars.retokenizer, accepted.get(r.uid))) is None:
                 continue  # the grammar refused it: aborted
             elif r.finish is None and r.fill_len == r.num_computed:  # it draws next (no jump): its mask
                 self.sampling.grammar_mask.ready(r)

@@ -260,3 +260,24 @@ def test_json_strings_refuse_raw_control_characters(setup):
         start = next(ids for ids in starts if m.validate(ids) == len(ids))  # differ by backend
         assert m.accept(start), m.error
         assert not m.accept(tok.encode("\x10", add_special_tokens=False))
+
+
+def test_batched_accepts_equal_one_by_one(setup, monkeypatch):
+    """accept_tokens (one token per matcher, batched and, for xgrammar, split over threads) takes and
+    refuses what each matcher's own accept does; a refused matcher is unchanged and says why."""
+    import services.scheduler.constrained.xgrammar_backend as xb
+    from services.scheduler.constrained.grammar import accept_tokens
+
+    monkeypatch.setattr(xb, "_ACCEPT_THREADS", 2)
+    monkeypatch.setattr(xb, "_ACCEPT_ROWS", 2)
+    backend, tok, mc = setup
+    compiled = backend.compile(GrammarSpec("regex", r"\d{3}-[a-z]+"))
+    digit, letter = tok.encode("7", add_special_tokens=False)[0], tok.encode("x", add_special_tokens=False)[0]
+    tokens = [digit, letter, digit, digit, letter, digit, digit]
+    batched, single = [compiled.matcher() for _ in tokens], [compiled.matcher() for _ in tokens]
+    ok = accept_tokens(batched, tokens)
+    assert ok == [m.accept([t]) for m, t in zip(single, tokens, strict=True)] == [t == digit for t in tokens]
+    for m, good in zip(batched, ok, strict=True):
+        assert bool(m.error) != good
+        assert m.accept([digit, digit])  # a refused one is still at its start: two digits now, not three
+        assert m.accept([tok.encode("-", add_special_tokens=False)[0]]) == good

@@ -86,6 +86,16 @@ def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | 
         m.fill_bitmask(out[j])
 
 
+def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+    """matchers[j] takes tokens[j] (each all or nothing, as `Matcher.accept`): in batched calls when
+    they share a backend that has them (`accept_batch`), else one by one."""
+    kind = type(matchers[0]) if matchers else None
+    batch = getattr(kind, "accept_batch", None)
+    if batch is not None and all(type(m) is kind for m in matchers):
+        return batch(matchers, tokens)
+    return [m.accept([t]) for m, t in zip(matchers, tokens, strict=True)]
+
+
 class CompiledGrammar(ABC):
     @abstractmethod
     def matcher(self) -> Matcher: ...

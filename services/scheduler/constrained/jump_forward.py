@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from services.scheduler.constrained.grammar import GrammarError, Retokenizer
+from services.scheduler.constrained.grammar import GrammarError, Retokenizer, accept_tokens
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.request import Req
 from shared.finish import Abort, Stop
@@ -46,14 +46,33 @@ class GrammarDecode:
             log.exception("jump-forward failed for request %s", r.rid)
             raise GrammarError(f"internal error in constrained decoding: {type(e).__name__}: {e}", 500) from e
 
-    def advance(self, r: Req, tok: int, retokenizer: Retokenizer) -> int | None:
+    def accept_all(self, reqs: list[Req], tokens: list[int]) -> dict[int, bool]:
+        """The matchers of the constrained requests among `reqs` still running take their sampled
+        tokens in one batched call (`accept_tokens`), before `advance` handles each request; by uid,
+        whether it took it. A stop token is left to `advance`; {} when the batched call fails (then
+        each request's own accept in `advance` says which one fails)."""
+        rows = [(r, t) for r, t in zip(reqs, tokens, strict=True)
+                if r.matcher is not None and r.finish is None and t not in r.stop_ids]  # fmt: skip
+        if not rows:
+            return {}
+        try:
+            ok = accept_tokens([r.matcher for r, _ in rows], [t for _, t in rows])  # type: ignore[misc]
+        except Exception:
+            log.exception("batched grammar accept failed for %d requests; one by one", len(rows))
+            return {}
+        return {r.uid: good for (r, _), good in zip(rows, ok, strict=True)}
+
+    def advance(self, r: Req, tok: int, retokenizer: Retokenizer, accepted: bool | None = None) -> int | None:
         """r sampled `tok`: the matcher takes it (None, and r aborted, when the grammar refuses it or
         fails), it is appended, the forced continuation follows, and a grammar that can take nothing
-        more ends r. Returns the output index from which r's tokens are new or replaced."""
+        more ends r. Returns the output index from which r's tokens are new or replaced. accepted:
+        whether the matcher already took `tok` (`accept_all`); None: it takes it here."""
         m = r.matcher
         assert m is not None and r.grammar is not None
         try:
-            if not ((tok in r.stop_ids and m.done) or m.accept([tok])):
+            if accepted is None:
+                accepted = (tok in r.stop_ids and m.done) or m.accept([tok])
+            if not accepted:
                 return self._abort(r, f"the {r.grammar.kind} refused token {tok}: {m.error}")
             r.output.append(tok)
             r.check_finished(tok, self.context_len)

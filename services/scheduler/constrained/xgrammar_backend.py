@@ -13,6 +13,8 @@ retokenizer and the masks read the vocabulary alike.
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,6 +31,12 @@ from shared.grammar_text import KINDS
 
 _LENGTH_LIMITED_CHAR = r"[^\"\\\r\n]"  # one character of a string with maxLength, as xgrammar writes it
 _JSON_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped
+# a step's tokens go to the matchers in batched calls that release the GIL, split over this many
+# threads (at least _ACCEPT_ROWS rows each): one accept walks the token's bytes through the grammar,
+# ~4-25 us a token, which at hundreds of rows was the largest host cost of a constrained step
+_ACCEPT_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+_ACCEPT_ROWS = 32
+_accept_pool: ThreadPoolExecutor | None = None
 
 
 class XGrammarMatcher(Matcher):
@@ -48,6 +56,27 @@ class XGrammarMatcher(Matcher):
         assert isinstance(first, XGrammarMatcher)
         ms = [m._m for m in matchers]  # type: ignore[attr-defined]
         first._backend.batcher.batch_fill_next_token_bitmask(ms, out, rows)
+
+    @staticmethod
+    def accept_batch(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+        """One token each (refused: the matcher is unchanged and says why), on up to _ACCEPT_THREADS
+        threads at once."""
+        global _accept_pool
+        batch = matchers[0]._backend.xgr.BatchGrammarMatcher.batch_accept_token  # type: ignore[attr-defined]
+        ms = [m._m for m in matchers]  # type: ignore[attr-defined]
+        parts = min(_ACCEPT_THREADS, max(1, len(ms) // _ACCEPT_ROWS))
+        if parts == 1:
+            ok = batch(ms, tokens)
+        else:
+            if _accept_pool is None:
+                _accept_pool = ThreadPoolExecutor(_ACCEPT_THREADS, thread_name_prefix="grammar-accept")
+            size = -(-len(ms) // parts)
+            chunks = [(ms[i : i + size], tokens[i : i + size]) for i in range(0, len(ms), size)]
+            ok = [x for part in _accept_pool.map(lambda c: batch(*c), chunks) for x in part]
+        for m, t, good in zip(matchers, tokens, ok, strict=True):
+            if not good:
+                m._error = f"token {t} is not allowed here"  # type: ignore[attr-defined]
+        return ok
 
     def accept(self, tokens: list[int]) -> bool:
         for i, t in enumerate(tokens):
