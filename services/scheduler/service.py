@@ -35,6 +35,7 @@ from shared.transport import NAK, PROGRESS, TERM, Message, Subjects, Subscriptio
 
 log = logging.getLogger(__name__)
 
+_WAITING_S = 0.005  # the pause of a loop whose requests all wait for work off the scheduler thread
 _IDLE_CHECK_S = 1.0  # an idle scheduler checks KV integrity after this long without work
 # a request delivered this many times took every scheduler that ran it down with it: refuse it
 MAX_DELIVERIES = 3
@@ -287,6 +288,7 @@ class SchedulerService:
             self._drain()
             self.metrics.refresh(sched)
             if sched.has_work:
+                launched = sched.stats["steps"]
                 try:
                     out = sched.step(early)
                 except Exception as e:  # the whole step failed (per-request failures end one request)
@@ -299,6 +301,12 @@ class SchedulerService:
                 out = sched.take_output()  # requests rejected on arrival
             if out is not None:
                 self._send(out)
+            elif sched.has_work and sched.stats["steps"] == launched:
+                # requests wait only for work off this thread (a grammar compiling, a held request):
+                # do not spin, which would keep that work from the GIL (the first grammar's backend
+                # start took over 150 s so on 2 cores); a new request wakes this at once
+                self._wake.wait(_WAITING_S)
+                self._wake.clear()
             elif not sched.has_work:
                 self.metrics.refresh(sched, force=True)  # idle: what the heartbeat carries is exact
                 # the integrity check walks the whole pool: only after a quiet second, never between
