@@ -39,6 +39,7 @@ from services.scheduler.host_copy import to_device
 from services.scheduler.intake import RequestIntake
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
+from services.scheduler.pool_state import PoolState
 from services.scheduler.prefix_cache import make_prefix_cache
 from services.scheduler.request import Req
 from services.scheduler.sample_step import Drawn, SampleStep
@@ -69,7 +70,7 @@ class _Step:
     number: int = 0  # steps launched before it
 
 
-class Scheduler(RequestIntake):
+class Scheduler(RequestIntake, PoolState):
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.cfg, self.runner = config, runner
         self.kv, self.req_to_token = runner.kv, runner.req_to_token
@@ -440,20 +441,3 @@ class Scheduler(RequestIntake):
             r.finish = r.finish or Abort(message, 500)
         self._release_finished()
         return self.take_output()
-
-    # -- maintenance --------------------------------------------------------------------------
-    def flush_cache(self) -> bool:
-        if self.has_work:
-            return False
-        self.tree.reset()
-        self.stats["cache_flushes"] += 1
-        return True
-
-    def used_tokens(self) -> int:
-        """KV slots held by running requests or locked in the cache (what cannot be evicted)."""
-        return self.kv.size - (self.kv.free_count - self._promised) - self.tree.evictable_size()
-
-    def check_integrity(self) -> None:
-        """The KV invariant (memory.py); raises AssertionError on a leak."""
-        in_use = sum(r.num_computed - r.num_cached for r in self.running)
-        self.kv.check(self.tree.total_size(), in_use, None if self.running else self.tree.all_slots())

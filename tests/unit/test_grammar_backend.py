@@ -257,8 +257,7 @@ def test_json_strings_refuse_raw_control_characters(setup):
         schema = {"type": "object", "properties": {"a": string}, "required": ["a"]}
         m = backend.compile(GrammarSpec("json_schema", json.dumps(schema))).matcher()
         starts = [tok.encode(s, add_special_tokens=False) for s in ('{"a":"x', '{"a": "x')]  # separators
-        start = next(ids for ids in starts if m.validate(ids) == len(ids))  # differ by backend
-        assert m.accept(start), m.error
+        assert any(m.accept(ids) for ids in starts), m.error  # the separators differ by backend
         assert not m.accept(tok.encode("\x10", add_special_tokens=False))
 
 

@@ -4,8 +4,7 @@
     compiled = grammars.get(spec)          cached by (kind, text); compiled on a worker thread
     matcher = compiled.matcher()           one per request: its own parser state
     matcher.fill_bitmask(row)              allowed next tokens, one bit per token id (int32 words)
-    matcher.accept([t])                    advance; False when a token is not allowed (error state)
-    matcher.validate(ts)                   how many of ts it would accept, consuming nothing
+    matcher.accept(ts)                     advance over all of ts, or none: False when one is not allowed
     matcher.rollback(n)                    undo the last n accepted tokens
     matcher.forced()                       tokens the grammar forces next (jump-forward), maybe []
     matcher.done                           the grammar can take nothing more but EOS
@@ -52,10 +51,6 @@ class Matcher(ABC):
     @abstractmethod
     def accept(self, tokens: list[int]) -> bool:
         """Take all of `tokens`, or none: False (and `error` says why) leaves the state unchanged."""
-
-    @abstractmethod
-    def validate(self, tokens: list[int]) -> int:
-        """How many of `tokens`, from the first, the grammar would accept now (nothing consumed)."""
 
     @abstractmethod
     def rollback(self, n: int) -> None: ...

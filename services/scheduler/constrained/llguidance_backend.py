@@ -58,9 +58,6 @@ class LLGuidanceMatcher(Matcher):
             return False
         return self._m.consume_tokens(tokens)
 
-    def validate(self, tokens: list[int]) -> int:
-        return self._m.validate_tokens(tokens)
-
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):
             raise GrammarError(f"cannot roll back {n} tokens: {self._m.get_error()}")

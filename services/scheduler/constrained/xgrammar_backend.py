@@ -87,16 +87,6 @@ class XGrammarMatcher(Matcher):
                 return False
         return True
 
-    def validate(self, tokens: list[int]) -> int:
-        n = 0
-        for t in tokens:
-            if not self._m.accept_token(t):
-                break
-            n += 1
-        if n:
-            self._m.rollback(n)
-        return n
-
     def rollback(self, n: int) -> None:
         if n:
             self._m.rollback(n)
