@@ -384,21 +384,27 @@ class Scheduler(RequestIntake, PoolState):
         self.timer.collect(st.marks)
         self.timer.lap("wait")
         generated = 0
-        decode = self.grammar_decode  # the constrained requests' matchers take their tokens at once
-        accepted = decode.accept_all(st.samplers, tokens) if self.sampling.grammar_mask.active else {}
-        for r, tok in zip(st.samplers, tokens, strict=True):
+        for r in st.samplers:
             if r.pending_step == st.number:  # else its token of the next step, launched already, waits
                 r.pending = 0
-            if r.finish is not None:
+        pairs = zip(st.samplers, tokens, strict=True)
+        constrained = [(r, t) for r, t in pairs if r.matcher is not None and r.finish is None]
+        starts = {}  # the constrained requests' matchers take their tokens and jump, batched
+        if constrained:
+            done = self.grammar_decode.advance_all(constrained, self.grammars.retokenizer)
+            starts = {r.uid: s for (r, _), s in zip(constrained, done, strict=True)}
+        for r, tok in zip(st.samplers, tokens, strict=True):
+            if r.uid in starts:
+                if (start := starts[r.uid]) is None:
+                    continue  # the grammar refused it: aborted
+                if r.finish is None and r.fill_len == r.num_computed:  # it draws next (no jump): its mask
+                    self.sampling.grammar_mask.ready(r)
+            elif r.finish is not None:
                 continue
-            if r.matcher is None:
+            else:
                 r.output.append(tok)
                 r.check_finished(tok, self.context_len)
-                start: int | None = len(r.output) - 1
-            elif (start := decode.advance(r, tok, self.grammars.retokenizer, accepted.get(r.uid))) is None:
-                continue  # the grammar refused it: aborted
-            elif r.finish is None and r.fill_len == r.num_computed:  # it draws next (no jump): its mask
-                self.sampling.grammar_mask.ready(r)
+                start = len(r.output) - 1
             self.output.emit(r, r.output[start:])
             generated += 1
         self.stats["generated_tokens"] += generated

@@ -262,21 +262,47 @@ def test_json_strings_refuse_raw_control_characters(setup):
 
 
 def test_batched_accepts_equal_one_by_one(setup, monkeypatch):
-    """accept_tokens (one token per matcher, batched and, for xgrammar, split over threads) takes and
-    refuses what each matcher's own accept does; a refused matcher is unchanged and says why."""
+    """accept_sequences (batched and, for xgrammar, split over threads) takes and refuses what each
+    matcher's own accept does, all of a sequence or none: a refused matcher is unchanged and says why."""
     import services.scheduler.constrained.xgrammar_backend as xb
-    from services.scheduler.constrained.grammar import accept_tokens
+    from services.scheduler.constrained.grammar import accept_sequences
 
     monkeypatch.setattr(xb, "_ACCEPT_THREADS", 2)
-    monkeypatch.setattr(xb, "_ACCEPT_ROWS", 2)
+    monkeypatch.setattr(xb, "_ACCEPT_TOKENS", 2)
     backend, tok, mc = setup
     compiled = backend.compile(GrammarSpec("regex", r"\d{3}-[a-z]+"))
     digit, letter = tok.encode("7", add_special_tokens=False)[0], tok.encode("x", add_special_tokens=False)[0]
-    tokens = [digit, letter, digit, digit, letter, digit, digit]
-    batched, single = [compiled.matcher() for _ in tokens], [compiled.matcher() for _ in tokens]
-    ok = accept_tokens(batched, tokens)
-    assert ok == [m.accept([t]) for m, t in zip(single, tokens, strict=True)] == [t == digit for t in tokens]
-    for m, good in zip(batched, ok, strict=True):
+    seqs = [[digit], [letter], [digit, digit], [digit, letter], [digit, digit, digit, digit], [], [digit]]
+    batched, single = [compiled.matcher() for _ in seqs], [compiled.matcher() for _ in seqs]
+    ok = accept_sequences(batched, seqs)
+    assert ok == [m.accept(s) for m, s in zip(single, seqs, strict=True)]
+    assert ok == [True, False, True, False, False, True, True]
+    for m, s, good in zip(batched, seqs, ok, strict=True):
         assert bool(m.error) != good
-        assert m.accept([digit, digit])  # a refused one is still at its start: two digits now, not three
-        assert m.accept([tok.encode("-", add_special_tokens=False)[0]]) == good
+        taken = len(s) if good else 0  # a refused one is where it started
+        assert m.accept([digit] * (3 - taken))
+        assert m.accept([tok.encode("-", add_special_tokens=False)[0]])
+
+
+def test_batched_forced_and_retokenized_equal_one_by_one(setup):
+    """forced_tokens and retokenize_all give what each matcher's forced() and retokenize() do."""
+    from services.scheduler.constrained.grammar import forced_tokens
+
+    backend, tok, mc = setup
+    schema = {"type": "object", "properties": {"ab": {"type": "integer"}, "cd": {"type": "string"}},
+              "required": ["ab", "cd"]}  # fmt: skip
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    texts = ["", "{", '{"a', '{"ab": 12', '{"ab":12', '{"ab": 12, "cd": "x"', '{"ab":12,"cd":"x"']
+    ms = [compiled.matcher() for _ in texts]
+    for m, text in zip(ms, texts, strict=True):
+        for t in tok.encode(text, add_special_tokens=False):  # as far as the backend's separators go
+            if not m.accept([t]):
+                break
+    found = forced_tokens(ms)
+    assert found == [m.forced() for m in ms] and any(found)
+    seqs = [tok.encode(t, add_special_tokens=False) for t in ('{"', 'a "b', "naïve", "")]
+    seqs.append(
+        tok.encode("\U0001f99c", add_special_tokens=False)[:1]
+    )  # part of a character: not retokenized
+    assert backend.retokenize_all(seqs) == [backend.retokenize(s) for s in seqs]
+    assert backend.retokenize_all(seqs)[-1] is None

@@ -5,8 +5,10 @@
     matcher = compiled.matcher()           one per request: its own parser state
     matcher.fill_bitmask(row)              allowed next tokens, one bit per token id (int32 words)
     matcher.accept(ts)                     advance over all of ts, or none: False when one is not allowed
+    accept_sequences(matchers, seqs)       the same for many matchers at once (batched where the backend can)
     matcher.rollback(n)                    undo the last n accepted tokens
     matcher.forced()                       tokens the grammar forces next (jump-forward), maybe []
+    forced_tokens(matchers)                the same for many matchers at once
     matcher.done                           the grammar can take nothing more but EOS
 
 A grammar that does not compile raises GrammarError with the library's message (a 400 for the
@@ -72,23 +74,34 @@ def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | 
     """Row rows[j] of `out` (row j without `rows`) gets matchers[j]'s mask, in one batched call when
     they share a backend that has one (`fill_batch`), else one by one."""
     rows = list(range(len(matchers))) if rows is None else rows
-    kind = type(matchers[0])
-    batch = getattr(kind, "fill_batch", None)
-    if batch is not None and all(type(m) is kind for m in matchers):
+    batch = _batched(matchers, "fill_batch")
+    if batch is not None:
         batch(matchers, out, rows)
         return
     for j, m in zip(rows, matchers, strict=True):
         m.fill_bitmask(out[j])
 
 
-def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
-    """matchers[j] takes tokens[j] (each all or nothing, as `Matcher.accept`): in batched calls when
-    they share a backend that has them (`accept_batch`), else one by one."""
+def accept_sequences(matchers: list[Matcher], seqs: list[list[int]]) -> list[bool]:
+    """matchers[j] takes all of seqs[j] or none (as `Matcher.accept`): in batched calls when they
+    share a backend that has them (`accept_batch`), else one by one."""
+    batch = _batched(matchers, "accept_batch")
+    if batch is not None:
+        return batch(matchers, seqs)
+    return [m.accept(s) for m, s in zip(matchers, seqs, strict=True)]
+
+
+def forced_tokens(matchers: list[Matcher]) -> list[list[int]]:
+    """Each matcher's `forced()`: in one batched call when they share a backend that has one
+    (`forced_batch`), else one by one."""
+    batch = _batched(matchers, "forced_batch")
+    return batch(matchers) if batch is not None else [m.forced() for m in matchers]
+
+
+def _batched(matchers: list[Matcher], name: str) -> Callable | None:
     kind = type(matchers[0]) if matchers else None
-    batch = getattr(kind, "accept_batch", None)
-    if batch is not None and all(type(m) is kind for m in matchers):
-        return batch(matchers, tokens)
-    return [m.accept([t]) for m, t in zip(matchers, tokens, strict=True)]
+    batch = getattr(kind, name, None)
+    return batch if batch is not None and all(type(m) is kind for m in matchers) else None
 
 
 class CompiledGrammar(ABC):
@@ -103,6 +116,10 @@ class Retokenizer(ABC):
     def retokenize(self, tokens: list[int]) -> list[int] | None:
         """The canonical tokens of the bytes `tokens` decode to, or None when those bytes are not whole
         UTF-8 characters or any of `tokens` is a special token (nothing to retokenize then)."""
+
+    def retokenize_all(self, seqs: list[list[int]]) -> list[list[int] | None]:
+        """`retokenize` of each (backends batch it where their tokenizer can)."""
+        return [self.retokenize(s) for s in seqs]
 
 
 class GrammarBackend(Retokenizer):

@@ -18,14 +18,27 @@ count sampled tokens only."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
-from services.scheduler.constrained.grammar import GrammarError, Retokenizer, accept_tokens
+from services.scheduler.constrained.grammar import GrammarError, Retokenizer, accept_sequences, forced_tokens
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.request import Req
 from shared.finish import Abort, Stop
 
 log = logging.getLogger(__name__)
 RETOKENIZE_TAIL = 4  # output tokens before a forced continuation that retokenization may merge with it
+
+
+class _Jump(NamedTuple):
+    """One request's jump: roll the matcher back `back` tokens, keep output[:keep], append `tokens`;
+    `forced`: the forced tokens as they are (taken instead when retokenized tokens are refused)."""
+
+    back: int
+    keep: int
+    tokens: list[int]
+    forced: list[int]
+    retokenized: bool
 
 
 class GrammarDecode:
@@ -38,56 +51,79 @@ class GrammarDecode:
     def start(self, r: Req, retokenizer: Retokenizer) -> None:
         """At admission, once r's matcher exists: a forced start is appended (prefilled with the prompt).
         GrammarError (500) if the grammar machinery fails."""
-        try:
-            if not r.output:
-                self._jump(r, retokenizer)
-                self._end_if_done(r)
-        except Exception as e:
-            log.exception("jump-forward failed for request %s", r.rid)
-            raise GrammarError(f"internal error in constrained decoding: {type(e).__name__}: {e}", 500) from e
+        if r.output:
+            return
+        self._jump_all([r], retokenizer)
+        if isinstance(r.finish, Abort):
+            raise GrammarError(r.finish.message, 500)
+        self._end_if_done(r)
 
-    def accept_all(self, reqs: list[Req], tokens: list[int]) -> dict[int, bool]:
-        """The matchers of the constrained requests among `reqs` still running take their sampled
-        tokens in one batched call (`accept_tokens`), before `advance` handles each request; by uid,
-        whether it took it. A stop token is left to `advance`; {} when the batched call fails (then
-        each request's own accept in `advance` says which one fails)."""
-        rows = [(r, t) for r, t in zip(reqs, tokens, strict=True)
-                if r.matcher is not None and r.finish is None and t not in r.stop_ids]  # fmt: skip
-        if not rows:
-            return {}
-        try:
-            ok = accept_tokens([r.matcher for r, _ in rows], [t for _, t in rows])  # type: ignore[misc]
-        except Exception:
-            log.exception("batched grammar accept failed for %d requests; one by one", len(rows))
-            return {}
-        return {r.uid: good for (r, _), good in zip(rows, ok, strict=True)}
-
-    def advance(self, r: Req, tok: int, retokenizer: Retokenizer, accepted: bool | None = None) -> int | None:
-        """r sampled `tok`: the matcher takes it (None, and r aborted, when the grammar refuses it or
-        fails), it is appended, the forced continuation follows, and a grammar that can take nothing
-        more ends r. Returns the output index from which r's tokens are new or replaced. accepted:
-        whether the matcher already took `tok` (`accept_all`); None: it takes it here."""
-        m = r.matcher
-        assert m is not None and r.grammar is not None
-        try:
-            if accepted is None:
-                accepted = (tok in r.stop_ids and m.done) or m.accept([tok])
-            if not accepted:
-                return self._abort(r, f"the {r.grammar.kind} refused token {tok}: {m.error}")
+    def advance_all(self, rows: list[tuple[Req, int]], retokenizer: Retokenizer) -> list[int | None]:
+        """Each constrained request r of `rows` sampled its token: its matcher takes it (r is aborted
+        when the grammar refuses it or fails), it is appended, the forced continuation follows, and a
+        grammar that can take nothing more ends r. Per row: the output index from which r's tokens
+        are new or replaced, or None when r was aborted. The matchers' work is batched: the tokens in
+        one call, the forced continuations, their retokenization and their accepts in one each."""
+        starts: list[int | None] = [None] * len(rows)
+        going = []
+        for i, ((r, tok), took) in enumerate(zip(rows, self._accept_sampled(rows), strict=True)):
+            if not took:
+                m = r.matcher
+                self._abort(r, f"the {r.grammar.kind} refused token {tok}: {m.error if m else ''}")  # type: ignore[union-attr]
+                continue
             r.output.append(tok)
             r.check_finished(tok, self.context_len)
-            start = len(r.output) - 1
+            starts[i] = len(r.output) - 1
             if r.finish is None:
-                start = min(start, self._jump(r, retokenizer))
+                going.append(i)
+        keeps = self._jump_all([rows[i][0] for i in going], retokenizer)
+        for i, keep in zip(going, keeps, strict=True):
+            r = rows[i][0]
+            try:
                 self._end_if_done(r)
-            return start
-        except Exception as e:  # one request's grammar must not fail the step
-            log.exception("constrained decoding failed for request %s", r.rid)
-            return self._abort(r, f"internal error in constrained decoding: {type(e).__name__}: {e}")
+            except Exception as e:
+                self._fail(r, e)
+            starts[i] = None if isinstance(r.finish, Abort) else min(starts[i], keep)  # type: ignore[type-var]
+        return starts
+
+    def _accept_sampled(self, rows: list[tuple[Req, int]]) -> list[bool]:
+        """Whether each matcher took its request's token (a stop token: whether the grammar is done),
+        in one batched call."""
+        took = [tok in r.stop_ids and self._guard(r, lambda r=r: r.matcher.done) is True for r, tok in rows]  # type: ignore[union-attr]
+        idx = [i for i, (r, _) in enumerate(rows) if not took[i] and r.finish is None]
+        ok = self._accept([rows[i][0] for i in idx], [[rows[i][1]] for i in idx])
+        for i, good in zip(idx, ok, strict=True):
+            took[i] = good
+        return took
+
+    def _accept(self, reqs: list[Req], seqs: list[list[int]]) -> list[bool]:
+        """accept_sequences; when the batched call fails, one by one (a failing request aborted)."""
+        ms = [r.matcher for r in reqs]
+        if not ms:
+            return []
+        try:
+            return accept_sequences(ms, seqs)  # type: ignore[arg-type]
+        except Exception:
+            log.exception("batched grammar accept failed for %d requests; one by one", len(ms))
+        one = lambda r, s: r.matcher.accept(s)  # noqa: E731
+        return [self._guard(r, lambda r=r, s=s: one(r, s)) is True for r, s in zip(reqs, seqs, strict=True)]
+
+    def _guard(self, r: Req, fn: Callable):
+        """fn(), or None and r aborted when it raises: one request's grammar must not fail the step."""
+        try:
+            return fn()
+        except Exception as e:
+            self._fail(r, e)
+            return None
+
+    def _fail(self, r: Req, e: Exception) -> None:
+        log.exception("constrained decoding failed for request %s", r.rid)
+        self._abort(r, f"internal error in constrained decoding: {type(e).__name__}: {e}")
 
     def _abort(self, r: Req, message: str) -> None:
-        r.finish = Abort(message, 500)
-        self.stats["request_failures"] += 1
+        if not isinstance(r.finish, Abort):
+            r.finish = Abort(message, 500)
+            self.stats["request_failures"] += 1
 
     def _end_if_done(self, r: Req) -> None:
         """The grammar allows only EOS now: EOS is appended without a forward (even with ignore_eos,
@@ -96,33 +132,82 @@ class GrammarDecode:
             r.output.append(self.eos)
             r.finish = Stop(self.eos)
 
-    def _jump(self, r: Req, retokenizer: Retokenizer) -> int:
-        """Append r's forced continuation, if any; returns the output index from which r's tokens are
-        new or replaced (len(r.output) when nothing moved)."""
-        m, out = r.matcher, r.output
-        assert m is not None
-        room = min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - len(out)
-        forced = m.forced()[:room] if self.jump_forward and r.lp is None and room > 0 else []
-        if not forced:
-            return len(out)
-        tail = self._tail(r)
-        new = retokenizer.retokenize(out[len(out) - tail :] + forced) if tail else None
-        keep, taken = len(out), False
-        if new is not None and new != out[len(out) - tail :] + forced:
-            same = _common(out[len(out) - tail :], new)
-            changed = new[same:][: room + tail - same]
-            m.rollback(tail - same)
-            if taken := m.accept(changed):  # all of them or none
-                keep, forced = len(out) - tail + same, changed
+    def _jump_all(self, reqs: list[Req], retokenizer: Retokenizer) -> list[int]:
+        """Append each request's forced continuation, if any. Per request: the output index from which
+        its tokens are new or replaced (len(r.output) when nothing moved)."""
+        keeps = [len(r.output) for r in reqs]
+        jumps = self._plan(reqs, retokenizer)
+        rows = [i for i in jumps if reqs[i].finish is None]
+        for i in rows:  # over the tokens that retokenization replaces
+            if jumps[i].back:
+                self._guard(reqs[i], lambda r=reqs[i], n=jumps[i].back: r.matcher.rollback(n))  # type: ignore[union-attr]
+        rows = [i for i in rows if reqs[i].finish is None]
+        ok = self._accept([reqs[i] for i in rows], [jumps[i].tokens for i in rows])
+        for i, good in zip(rows, ok, strict=True):
+            r, jump = reqs[i], jumps[i]
+            keep, tokens = jump.keep, jump.tokens
+            if r.finish is not None:
+                continue
+            if jump.retokenized and good:
                 self.stats["retokenized"] += 1
-            else:  # the grammar does not take the canonical tokens: the old ones back, forced as they are
-                m.accept(out[len(out) - tail + same :])
-        if not taken:
-            assert m.accept(forced), m.error
-        self._replace(r, keep, forced)
-        self.stats["jump_forward_steps"] += 1
-        self.stats["jump_forward_tokens"] += len(forced)
-        return keep
+            elif jump.retokenized:  # the grammar does not take the canonical tokens: the old ones back,
+                # the forced ones as they are
+                keep, tokens = len(r.output), jump.forced
+                good = (
+                    self._guard(
+                        r,
+                        lambda r=r, j=jump: (
+                            r.matcher.accept(r.output[j.keep :]) and r.matcher.accept(j.forced)
+                        ),
+                    )
+                    is True
+                )  # type: ignore[union-attr]
+            if not good:
+                m = r.matcher
+                self._abort(r, f"the {r.grammar.kind} refused its forced tokens: {m.error if m else ''}")  # type: ignore[union-attr]
+                continue
+            self._replace(r, keep, tokens)
+            keeps[i] = keep
+            self.stats["jump_forward_steps"] += 1
+            self.stats["jump_forward_tokens"] += len(tokens)
+        return keeps
+
+    def _plan(self, reqs: list[Req], retokenizer: Retokenizer) -> dict[int, _Jump]:
+        """By index in reqs: the jump of each request with a forced continuation (and room for it, and
+        no logprobs), found and retokenized with the output's tail in one batched call each."""
+        rooms = [min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - len(r.output) for r in reqs]
+        can = [i for i, r in enumerate(reqs) if self.jump_forward and r.lp is None and rooms[i] > 0]
+        found = self._each(
+            [reqs[i] for i in can], [reqs[i].matcher for i in can], forced_tokens, lambda m: m.forced()
+        )
+        jumps = {}
+        for i, f in zip(can, found, strict=True):
+            if f := (f or [])[: rooms[i]]:
+                jumps[i] = _Jump(0, len(reqs[i].output), f, f, False)
+        again = [(i, t) for i in jumps if (t := self._tail(reqs[i]))]
+        olds = [reqs[i].output[-t:] for i, t in again]
+        seqs = [old + jumps[i].forced for (i, _), old in zip(again, olds, strict=True)]
+        news = self._each(
+            [reqs[i] for i, _ in again], seqs, retokenizer.retokenize_all, retokenizer.retokenize
+        )
+        for (i, tail), old, seq, new in zip(again, olds, seqs, news, strict=True):
+            if new is not None and new != seq:
+                same = _common(old, new)
+                tokens = new[same:][: rooms[i] + tail - same]
+                jumps[i] = _Jump(
+                    tail - same, len(reqs[i].output) - tail + same, tokens, jumps[i].forced, True
+                )
+        return jumps
+
+    def _each(self, reqs: list[Req], items: list, batch: Callable[[list], list], one: Callable) -> list:
+        """batch(items), or when that fails one(item) each, a request whose item fails aborted (None)."""
+        if not items:
+            return []
+        try:
+            return batch(items)
+        except Exception:
+            log.exception("batched grammar call failed for %d requests; one by one", len(items))
+        return [self._guard(r, lambda x=x: one(x)) for r, x in zip(reqs, items, strict=True)]
 
     def _tail(self, r: Req) -> int:
         """Output tokens at the end that retokenization may replace: not in the radix tree."""

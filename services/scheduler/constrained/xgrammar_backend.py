@@ -32,11 +32,12 @@ from shared.grammar_text import KINDS
 _LENGTH_LIMITED_CHAR = r"[^\"\\\r\n]"  # one character of a string with maxLength, as xgrammar writes it
 _JSON_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped
 # a step's tokens go to the matchers in batched calls that release the GIL, split over this many
-# threads (at least _ACCEPT_ROWS rows each): one accept walks the token's bytes through the grammar,
+# threads (at least _ACCEPT_TOKENS tokens each): one accept walks the token's bytes through the grammar,
 # ~4-25 us a token, which at hundreds of rows was the largest host cost of a constrained step
 _ACCEPT_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
-_ACCEPT_ROWS = 32
+_ACCEPT_TOKENS = 32
 _accept_pool: ThreadPoolExecutor | None = None
+_ENCODE_CACHE = 1 << 16  # texts whose tokens are kept (forced strings, retokenized tails)
 
 
 class XGrammarMatcher(Matcher):
@@ -58,42 +59,45 @@ class XGrammarMatcher(Matcher):
         first._backend.batcher.batch_fill_next_token_bitmask(ms, out, rows)
 
     @staticmethod
-    def accept_batch(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
-        """One token each (refused: the matcher is unchanged and says why), on up to _ACCEPT_THREADS
-        threads at once."""
+    def accept_batch(matchers: list[Matcher], seqs: list[list[int]]) -> list[bool]:
+        """matchers[j] takes all of seqs[j] or none (refused: unchanged, and it says why): the rows
+        split over up to _ACCEPT_THREADS threads, each taking its rows' tokens in rounds of one
+        batched call (the k-th token of every row still going)."""
         global _accept_pool
-        batch = matchers[0]._backend.xgr.BatchGrammarMatcher.batch_accept_token  # type: ignore[attr-defined]
         ms = [m._m for m in matchers]  # type: ignore[attr-defined]
-        parts = min(_ACCEPT_THREADS, max(1, len(ms) // _ACCEPT_ROWS))
-        if parts == 1:
-            ok = batch(ms, tokens)
+        parts = min(_ACCEPT_THREADS, max(1, sum(map(len, seqs)) // _ACCEPT_TOKENS), len(ms))
+        if parts <= 1:
+            refused = _accept_rounds(ms, seqs)
         else:
             if _accept_pool is None:
                 _accept_pool = ThreadPoolExecutor(_ACCEPT_THREADS, thread_name_prefix="grammar-accept")
             size = -(-len(ms) // parts)
-            chunks = [(ms[i : i + size], tokens[i : i + size]) for i in range(0, len(ms), size)]
-            ok = [x for part in _accept_pool.map(lambda c: batch(*c), chunks) for x in part]
-        for m, t, good in zip(matchers, tokens, ok, strict=True):
-            if not good:
+            chunks = [(ms[i : i + size], seqs[i : i + size]) for i in range(0, len(ms), size)]
+            refused = [x for part in _accept_pool.map(lambda c: _accept_rounds(*c), chunks) for x in part]
+        for m, t in zip(matchers, refused, strict=True):
+            if t is not None:
                 m._error = f"token {t} is not allowed here"  # type: ignore[attr-defined]
-        return ok
+        return [t is None for t in refused]
 
     def accept(self, tokens: list[int]) -> bool:
-        for i, t in enumerate(tokens):
-            if not self._m.accept_token(t):
-                self._error = f"token {t} is not allowed here"
-                if i:
-                    self._m.rollback(i)
-                return False
-        return True
+        return self.accept_batch([self], [tokens])[0]
 
     def rollback(self, n: int) -> None:
         if n:
             self._m.rollback(n)
 
     def forced(self) -> list[int]:
-        text = self._m.find_jump_forward_string()
-        return self._backend.encode(text) if text else []
+        return self.forced_batch([self])[0]
+
+    @staticmethod
+    def forced_batch(matchers: list[Matcher]) -> list[list[int]]:
+        """The forced strings, tokenized in one call."""
+        texts = [m._m.find_jump_forward_string() for m in matchers]  # type: ignore[attr-defined]
+        some = [t for t in texts if t]
+        if not some:
+            return [[] for _ in texts]
+        encoded = iter(matchers[0]._backend.encode_all(some))  # type: ignore[attr-defined]
+        return [next(encoded) if t else [] for t in texts]
 
     @property
     def done(self) -> bool:
@@ -113,6 +117,27 @@ class XGrammarMatcher(Matcher):
     @property
     def error(self) -> str:
         return self._error
+
+
+def _accept_rounds(ms: list, seqs: list[list[int]]) -> list[int | None]:
+    """xgrammar matchers ms[j] take all of seqs[j] or none, the k-th tokens of all rows in one call
+    (it releases the GIL); a row refused rolls back what it took. Per row: the token refused, or None."""
+    import xgrammar
+
+    batch = xgrammar.BatchGrammarMatcher.batch_accept_token
+    if all(len(s) == 1 for s in seqs):  # a step's sampled tokens: one round, nothing to roll back
+        return [None if good else s[0] for s, good in zip(seqs, batch(ms, [s[0] for s in seqs]), strict=True)]
+    refused: list[int | None] = [None] * len(ms)
+    for k in range(max(map(len, seqs), default=0)):
+        rows = [j for j, s in enumerate(seqs) if refused[j] is None and len(s) > k]
+        if not rows:
+            break
+        for j, good in zip(rows, batch([ms[j] for j in rows], [seqs[j][k] for j in rows]), strict=True):
+            if not good:
+                refused[j] = seqs[j][k]
+                if k:
+                    ms[j].rollback(k)
+    return refused
 
 
 class XGrammarGrammar(CompiledGrammar):
@@ -142,10 +167,24 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # GrammarCache caches
         self.batcher = xgrammar.BatchGrammarMatcher()
         self.vocab_size = vocab_size
+        self._encoded: dict[str, list[int]] = {}
         check_round_trip(lambda text: self.decode_bytes(self.encode(text)), tokenizer_json)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode_all([text])[0]
+
+    def encode_all(self, texts: list[str]) -> list[list[int]]:
+        """The tokens of each text: from a cache of recent ones (a forced string such as a JSON key
+        recurs in every request of a schema; ~20 us to tokenize here), the rest in one call."""
+        cache = self._encoded
+        todo = list({t for t in texts if t not in cache})
+        if todo:
+            if len(cache) + len(todo) > _ENCODE_CACHE:
+                cache.clear()
+            fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # tokenizers < 0.21
+            for text, e in zip(todo, fast(todo, add_special_tokens=False), strict=True):
+                cache[text] = e.ids
+        return [list(cache[t]) for t in texts]
 
     def decode_bytes(self, tokens: list[int]) -> bytes:
         return b"".join(self._bytes[t] if t < len(self._bytes) else b"" for t in tokens)
@@ -176,12 +215,23 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarGrammar(compiled, self)
 
     def retokenize(self, tokens: list[int]) -> list[int] | None:
-        if any(t in self._special or t >= len(self._bytes) for t in tokens):
-            return None
-        data = self.decode_bytes(tokens)
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        new = self.encode(text)
-        return new if self.decode_bytes(new) == data else None
+        return self.retokenize_all([tokens])[0]
+
+    def retokenize_all(self, seqs: list[list[int]]) -> list[list[int] | None]:
+        datas: list[bytes | None] = []
+        texts = []
+        for tokens in seqs:
+            data = None
+            if not any(t in self._special or t >= len(self._bytes) for t in tokens):
+                data = self.decode_bytes(tokens)
+                try:
+                    texts.append(data.decode("utf-8"))
+                except UnicodeDecodeError:
+                    data = None
+            datas.append(data)
+        encoded = iter(self.encode_all(texts) if texts else [])
+        out: list[list[int] | None] = []
+        for data in datas:
+            new = next(encoded) if data is not None else None
+            out.append(new if new is not None and self.decode_bytes(new) == data else None)
+        return out
