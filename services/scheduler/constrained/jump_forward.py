@@ -175,8 +175,10 @@ class GrammarDecode:
     def _plan(self, reqs: list[Req], retokenizer: Retokenizer) -> dict[int, _Jump]:
         """By index in reqs: the jump of each request with a forced continuation (and room for it, and
         no logprobs), found and retokenized with the output's tail in one batched call each."""
+        if not self.jump_forward:
+            return {}
         rooms = [min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - len(r.output) for r in reqs]
-        can = [i for i, r in enumerate(reqs) if self.jump_forward and r.lp is None and rooms[i] > 0]
+        can = [i for i, r in enumerate(reqs) if r.lp is None and rooms[i] > 0]
         found = self._each(
             [reqs[i] for i in can], [reqs[i].matcher for i in can], forced_tokens, lambda m: m.forced()
         )

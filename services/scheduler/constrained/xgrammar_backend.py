@@ -103,10 +103,10 @@ class XGrammarMatcher(Matcher):
     def done(self) -> bool:
         """Terminated, or complete with nothing but a stop token allowed next (xgrammar's is_terminated
         waits for the stop token itself): the mask's words with the stop tokens' bits cleared are 0."""
+        if not self._m.is_completed():  # (a terminated matcher is complete too): one call for most rows
+            return False
         if self._m.is_terminated():
             return True
-        if not self._m.is_completed():
-            return False
         row = torch.zeros((self._backend.vocab_size + 31) // 32, dtype=torch.int32)
         self.fill_bitmask(row)
         for t in self._m.stop_token_ids:
