@@ -5,7 +5,7 @@
     q, out            [B, H, D]                one token per request; q head h reads kv head h // (H / Hkv)
     scratch           (o [max_batch, H, S, D], lse [max_batch, H, S]) float32, from decode_scratch
 
-Stage 1, grid (B, Hkv, S): request b's keys 0..seq_len-1 are cut into S chunks of
+Stage 1, grid (Hkv, B, S): request b's keys 0..seq_len-1 are cut into S chunks of
 `chunk = cdiv(cdiv(seq_len, S), BLOCK_N) * BLOCK_N` keys; split s covers [s * chunk, (s + 1) * chunk).
 S is scratch's split count at small batches and shrinks as B * Hkv alone fills the GPU (about four
 programs per SM): more splits then only add partial-result traffic (on an H200, one split at batch 64
@@ -46,7 +46,6 @@ from kernels.online_softmax import attend_keys
 DEFAULT_KV_SPLITS = 16
 
 _LOG2E = 1.4426950408889634
-HEADS_FIRST = True  # program order: the kv heads of one request side by side (2-3% faster on an H200)
 
 
 @cache
@@ -74,14 +73,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_START: tl.constexpr, DIRECT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    if HEADS_FIRST:  # the kv heads of one request in adjacent programs: one slot's K (V) rows are read
-        kv_head = tl.program_id(0)  # together
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)  # the kv heads of one request in adjacent programs (see the grid)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
     head_ok = tl.arange(0, BLOCK_H) < GROUP
@@ -202,8 +196,9 @@ def decode_attention(
     dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
     starts = seq_lens if cascade is None else cascade.kv_starts  # (unread without a cascade)
     direct = num_splits == 1 and cascade is None
-    grid = (num_kv_heads, batch, num_splits) if HEADS_FIRST else (batch, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
+    # kv heads first: a request's heads run side by side and read each slot's K (V) row together
+    # (contiguous in the pool), 1-3.5% faster on an H200 than requests first
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, starts, part_o, part_lse, out,
         sm_scale * _LOG2E,
         *q.stride(), *out.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),
@@ -211,7 +206,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, USE_START=cascade is not None, DIRECT=direct,
-        HEADS_FIRST=HEADS_FIRST, num_warps=4, num_stages=3,
+        num_warps=4, num_stages=3,
     )  # fmt: skip
     if direct:
         return

@@ -54,9 +54,9 @@ class GrammarDecode:
         if r.output:
             return
         self._jump_all([r], retokenizer)
+        self._guard(r, lambda: self._end_if_done(r))
         if isinstance(r.finish, Abort):
             raise GrammarError(r.finish.message, 500)
-        self._end_if_done(r)
 
     def advance_all(self, rows: list[tuple[Req, int]], retokenizer: Retokenizer) -> list[int | None]:
         """Each constrained request r of `rows` sampled its token: its matcher takes it (r is aborted
@@ -98,15 +98,8 @@ class GrammarDecode:
 
     def _accept(self, reqs: list[Req], seqs: list[list[int]]) -> list[bool]:
         """accept_sequences; when the batched call fails, one by one (a failing request aborted)."""
-        ms = [r.matcher for r in reqs]
-        if not ms:
-            return []
-        try:
-            return accept_sequences(ms, seqs)  # type: ignore[arg-type]
-        except Exception:
-            log.exception("batched grammar accept failed for %d requests; one by one", len(ms))
-        one = lambda r, s: r.matcher.accept(s)  # noqa: E731
-        return [self._guard(r, lambda r=r, s=s: one(r, s)) is True for r, s in zip(reqs, seqs, strict=True)]
+        batch = lambda ss: accept_sequences([r.matcher for r in reqs], ss)  # type: ignore[misc]  # noqa: E731
+        return [ok is True for ok in self._each(reqs, seqs, batch, lambda r, s: r.matcher.accept(s))]
 
     def _guard(self, r: Req, fn: Callable):
         """fn(), or None and r aborted when it raises: one request's grammar must not fail the step."""
@@ -153,15 +146,8 @@ class GrammarDecode:
             elif jump.retokenized:  # the grammar does not take the canonical tokens: the old ones back,
                 # the forced ones as they are
                 keep, tokens = len(r.output), jump.forced
-                good = (
-                    self._guard(
-                        r,
-                        lambda r=r, j=jump: (
-                            r.matcher.accept(r.output[j.keep :]) and r.matcher.accept(j.forced)
-                        ),
-                    )
-                    is True
-                )  # type: ignore[union-attr]
+                back_then_forced = [*r.output[jump.keep :], *jump.forced]  # all or nothing, as one
+                good = self._guard(r, lambda r=r, ts=back_then_forced: r.matcher.accept(ts)) is True
             if not good:
                 m = r.matcher
                 self._abort(r, f"the {r.grammar.kind} refused its forced tokens: {m.error if m else ''}")  # type: ignore[union-attr]
@@ -180,7 +166,7 @@ class GrammarDecode:
         rooms = [min(r.max_new_tokens, self.context_len - len(r.prompt) - 1) - len(r.output) for r in reqs]
         can = [i for i, r in enumerate(reqs) if r.lp is None and rooms[i] > 0]
         found = self._each(
-            [reqs[i] for i in can], [reqs[i].matcher for i in can], forced_tokens, lambda m: m.forced()
+            [reqs[i] for i in can], [reqs[i].matcher for i in can], forced_tokens, lambda r, m: m.forced()
         )
         jumps = {}
         for i, f in zip(can, found, strict=True):
@@ -190,7 +176,10 @@ class GrammarDecode:
         olds = [reqs[i].output[-t:] for i, t in again]
         seqs = [old + jumps[i].forced for (i, _), old in zip(again, olds, strict=True)]
         news = self._each(
-            [reqs[i] for i, _ in again], seqs, retokenizer.retokenize_all, retokenizer.retokenize
+            [reqs[i] for i, _ in again],
+            seqs,
+            retokenizer.retokenize_all,
+            lambda r, s: retokenizer.retokenize(s),
         )
         for (i, tail), old, seq, new in zip(again, olds, seqs, news, strict=True):
             if new is not None and new != seq:
@@ -202,14 +191,15 @@ class GrammarDecode:
         return jumps
 
     def _each(self, reqs: list[Req], items: list, batch: Callable[[list], list], one: Callable) -> list:
-        """batch(items), or when that fails one(item) each, a request whose item fails aborted (None)."""
+        """batch(items), or when that fails one(r, item) for each request r and its item, a request
+        whose item fails aborted (its result None)."""
         if not items:
             return []
         try:
             return batch(items)
         except Exception:
             log.exception("batched grammar call failed for %d requests; one by one", len(items))
-        return [self._guard(r, lambda x=x: one(x)) for r, x in zip(reqs, items, strict=True)]
+        return [self._guard(r, lambda r=r, x=x: one(r, x)) for r, x in zip(reqs, items, strict=True)]
 
     def _tail(self, r: Req) -> int:
         """Output tokens at the end that retokenization may replace: not in the radix tree."""

@@ -125,8 +125,6 @@ def _accept_rounds(ms: list, seqs: list[list[int]]) -> list[int | None]:
     import xgrammar
 
     batch = xgrammar.BatchGrammarMatcher.batch_accept_token
-    if all(len(s) == 1 for s in seqs):  # a step's sampled tokens: one round, nothing to roll back
-        return [None if good else s[0] for s, good in zip(seqs, batch(ms, [s[0] for s in seqs]), strict=True)]
     refused: list[int | None] = [None] * len(ms)
     for k in range(max(map(len, seqs), default=0)):
         rows = [j for j, s in enumerate(seqs) if refused[j] is None and len(s) > k]
