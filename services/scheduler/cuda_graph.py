@@ -52,7 +52,7 @@ class CudaGraphRunner:
         # every graph writes its logits into the first rows of this one buffer: an output per bucket
         # would stay allocated in the graph pool (~22 GB for buckets up to 4096 on a 128k vocabulary)
         vocab = model.config.vocab_size
-        self.logits = torch.empty(max_bs, vocab, dtype=torch.float32, device=device)
+        self.logits = torch.empty(max_bs, vocab, dtype=model.lm_head.dtype, device=device)
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its memory

@@ -72,7 +72,7 @@ def input_rows(
     dev = hidden.device
     out = []
     for s in range(0, hidden.shape[0], SLICE_ROWS):
-        lp = torch.log_softmax(to_logits(hidden[s : s + SLICE_ROWS]), dim=-1)
+        lp = torch.log_softmax(to_logits(hidden[s : s + SLICE_ROWS]).float(), dim=-1)
         t = torch.tensor(targets[s : s + SLICE_ROWS], dtype=torch.int64, device=dev)
         out.append(rows_from_logprobs(lp, t, top_k, token_ids))
     return out

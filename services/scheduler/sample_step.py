@@ -120,6 +120,8 @@ class SampleStep:
         penalties), so the caller can prepare the next step meanwhile. A batched stage that raises is
         retried request by request (`_one_by_one`); a request whose own row fails is ended."""
         dev = logits.device
+        if logits.dtype != torch.float32 and any(p.active for p in self.processors):
+            logits = logits.float()  # the processors work in float32 (the model's logits may be bf16)
         # each row's output index: a token still in flight (overlap scheduling) counts
         lens = to_device([len(r.output) + r.pending for r in samplers], torch.int64, dev).unsqueeze(1)
         for p in self.processors:

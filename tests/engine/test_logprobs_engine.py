@@ -286,3 +286,19 @@ def test_scheduler_refuses_bad_logprob_requests_that_skip_the_gateway(engine):
     assert "token_ids" in out.finish_reasons[0].message
     good = engine.generate(text="still fine", sampling_params=GREEDY, **ask())
     assert len(good["meta_info"]["output_token_logprobs"]) == NEW
+
+
+def test_a_bf16_model_draws_alike_with_and_without_a_float32_processor(make_engine, prompt_ids, hf_model):
+    """A bf16 model's logits stay bf16 for a plain greedy batch and get a float32 copy when a logits
+    processor runs (here the output-logprob capture): the same tokens either way, and the logprobs
+    (prompt and output) are those of float32 log_softmax over the bf16 logits, near HF's fp32 ones."""
+    e = make_engine(dtype="bfloat16")
+    plain = e.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+    scored = e.generate(input_ids=prompt_ids, sampling_params=GREEDY, **ask(logprob_start_len=0))
+    for ids, a, b in zip(prompt_ids, plain, scored, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        ref = hf_logprobs(hf_model, ids + b["output_ids"])
+        got = [e[0] for e in b["meta_info"]["input_token_logprobs"][1:]]
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert max(abs(g - w) for g, w in zip(got, want.tolist(), strict=True)) < 0.5  # bf16 weights
+        assert [t[0][1] for t in b["meta_info"]["output_top_logprobs"]] == b["output_ids"]

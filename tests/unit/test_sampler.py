@@ -158,3 +158,26 @@ def test_an_all_greedy_batch_builds_no_columns(monkeypatch):
     for check in (True, False):
         got = sample(logits.clone(), info, pos, check=check).tolist()
         assert got == [logits[0].argmax().item(), -1, logits[2].argmax().item()]
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_bf16_logits_draw_as_their_float32_copy(check):
+    """A GPU model hands over its logits in bf16 (no float32 copy for a plain greedy batch): every kind
+    of row draws from them what it draws from their float32 copy, repairs and dead rows included."""
+    torch.manual_seed(5)
+    rows = (torch.randn(9, V) * 4).to(torch.bfloat16)
+    rows[1, 2] = float("inf")
+    rows[4] = float("nan")
+    rows[5, ::2] = float("-inf")
+    rows[6, :4] = rows[6].max()  # a tie: the first index, as torch.argmax
+    pos = torch.arange(9).unsqueeze(1)
+    greedy = [SamplingParams(temperature=0)] * 9
+    seeded = [
+        SamplingParams(temperature=0.8, top_k=5, sampling_seed=i) if i % 2 else g
+        for i, g in enumerate(greedy)
+    ]
+    for params in (greedy, seeded):
+        info = SamplingInfo.build(params, V, "cpu")
+        want = sample(rows.float(), info, pos, check=check)
+        assert torch.equal(sample(rows.clone(), info, pos, check=check), want)
+        assert want[4].item() == -1 and want[1].item() == 2

@@ -79,10 +79,7 @@ class GrammarDecode:
         keeps = self._jump_all([rows[i][0] for i in going], retokenizer)
         for i, keep in zip(going, keeps, strict=True):
             r = rows[i][0]
-            try:
-                self._end_if_done(r)
-            except Exception as e:
-                self._fail(r, e)
+            self._guard(r, lambda r=r: self._end_if_done(r))
             starts[i] = None if isinstance(r.finish, Abort) else min(starts[i], keep)  # type: ignore[type-var]
         return starts
 

@@ -85,8 +85,7 @@ class GrammarMaskProcessor(LogitsProcessor):
     def drop(self) -> None:
         """No draw follows `begin` (every request of it finished, or the step failed)."""
         fills, self._fills = self._fills, None
-        for job in fills.jobs if fills is not None else ():
-            job.exception()  # wait: the buffer is written again two draws from now
+        _settle(fills)
 
     def _submit(self, f: _Fills) -> None:
         if not f.queued:
@@ -120,8 +119,7 @@ class GrammarMaskProcessor(LogitsProcessor):
         if not idx:
             return
         if fills is not None and any(reqs[i].uid not in fills.rows for i in idx):
-            for job in fills.jobs:  # not the draw `begin` planned for: let its fills end, start afresh
-                job.exception()
+            _settle(fills)  # not the draw `begin` planned for: let its fills end, start afresh
             fills = None
         if fills is None:
             fills = _Fills({reqs[i].uid: k for k, i in enumerate(idx)}, self._host(len(idx)))
@@ -164,3 +162,9 @@ class GrammarMaskProcessor(LogitsProcessor):
             logits.masked_fill_(blocked.bool(), float("-inf"))
         else:
             logits[rows] = logits[rows].masked_fill(blocked.bool(), float("-inf"))
+
+
+def _settle(fills: _Fills | None) -> None:
+    """Wait for the fill jobs of a plan no draw will use: its host buffer is written again two draws on."""
+    for job in fills.jobs if fills is not None else ():
+        job.exception()

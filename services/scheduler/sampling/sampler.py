@@ -98,12 +98,14 @@ class SamplingInfo:
 def sample(
     logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor, check: bool = True
 ) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B], -1 for a row without a usable logit. `positions` [B, 1]
-    int64: each row's output index, which keys the seeded noise. check=True looks on the host whether
-    any row needs repair first (a sync; the usual case then skips the repair); check=False never waits
-    for the GPU (overlap scheduling): an all-greedy batch on CUDA takes its ids from one kernel that
-    repairs as it reads, any other batch is repaired in place first. The logits are the caller's
-    scratch (the processors change them in place too): the repair may write into them."""
+    """logits [B, V] (float32, or the model's bf16/fp16 for a batch no processor changed) -> token
+    ids [B], -1 for a row without a usable logit; a draw other than greedy works on a float32 copy.
+    `positions` [B, 1] int64: each row's output index, which keys the seeded noise. check=True looks
+    on the host whether any row needs repair first (a sync; the usual case then skips the repair);
+    check=False never waits for the GPU (overlap scheduling): an all-greedy batch on CUDA takes its
+    ids from one kernel that repairs as it reads, any other batch is repaired in place first. The
+    logits are the caller's scratch (the processors change them in place too): the repair may write
+    into them."""
     if check:
         top, greedy_ids = logits.max(dim=-1)  # top is NaN where the row has one
         if bool(((top > -_LOGIT_CAP) & (top < _LOGIT_CAP)).all()):  # the usual case: nothing to repair
@@ -111,14 +113,16 @@ def sample(
                 return greedy_ids
 
             def draw(a: int, b: int) -> torch.Tensor:
-                return _draw(logits[a:b], info.rows(a, b), positions[a:b], greedy_ids[a:b])
+                return _draw(logits[a:b].float(), info.rows(a, b), positions[a:b], greedy_ids[a:b])
 
             return _by_slices(draw, logits.shape)
     elif info.all_greedy and logits.is_cuda:
         from kernels.greedy_argmax import greedy_argmax
 
         return greedy_argmax(logits, _LOGIT_CAP)
-    return _by_slices(lambda a, b: _repaired_draw(logits[a:b], info.rows(a, b), positions[a:b]), logits.shape)
+    return _by_slices(
+        lambda a, b: _repaired_draw(logits[a:b].float(), info.rows(a, b), positions[a:b]), logits.shape
+    )
 
 
 def row_slices(rows: int, vocab: int) -> list[tuple[int, int]]:
