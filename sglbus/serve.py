@@ -4,7 +4,9 @@ processes; waits for /health and prints the URL.
 It supervises what it started: a service that dies is restarted with backoff (1 s, doubling to 30 s),
 and so is the embedded NATS, on the same port and JetStream store; the services reconnect by
 themselves. A service that exits with code 2 reports a configuration error: serve stops everything
-and exits 2. Ctrl-C / SIGTERM stop the gateway, then the scheduler and detokenizer, then NATS.
+and exits 2. One that dies STARTUP_FAILURES times before the server first answers /health (an import
+error, a model that does not load) stops everything too, with exit code 1; its output is above.
+Ctrl-C / SIGTERM stop the gateway, then the scheduler and detokenizer, then NATS.
 
 The embedded NATS requires a token, generated at each start unless --nats-token is given, written to
 $SGLBUS_CACHE_DIR/nats-token (readable by you only) for bus-API clients, and handed to the services
@@ -45,6 +47,9 @@ DEFAULT_NATS_PORT = 4222
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 30.0
 STABLE_S = 60.0  # up this long, a process counts as healthy again: its next restart waits BACKOFF_MIN_S
 STOP_TIMEOUT_S = 15.0  # per shutdown stage; then it is killed
+# a service that dies this often before the server first answers /health is not coming up (a broken
+# install, a model that does not load): serve stops and exits 1 instead of retrying to the start-up timeout
+STARTUP_FAILURES = 3
 _POLL_S = 0.25
 _CREDENTIALS = ("SGLBUS_NATS_TOKEN", "SGLBUS_NATS_USER", "SGLBUS_NATS_PASSWORD", "SGLBUS_NATS_CREDS")
 
@@ -241,6 +246,7 @@ class Child:
         self.name, self.cmd, self.env = name, [sys.executable, "-m", *args], env
         self.proc: subprocess.Popen[bytes] | None = None
         self.backoff = Backoff()
+        self.startup_exits = 0  # exits before the server first answered /health
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
@@ -268,7 +274,7 @@ class Supervisor:
             child.start()
         deadline, serving = time.monotonic() + _STARTUP_TIMEOUT_S, False
         while not self.signals:
-            rc = self.tend()
+            rc = self.tend(starting=not serving)
             if rc is not None:
                 return rc
             if not serving and _healthy(url):
@@ -281,8 +287,9 @@ class Supervisor:
             time.sleep(_POLL_S)
         return 0
 
-    def tend(self) -> int | None:
-        """Restart what died, when its backoff allows; EXIT_CONFIG once a child exits with it."""
+    def tend(self, starting: bool = False) -> int | None:
+        """Restart what died, when its backoff allows; EXIT_CONFIG once a child exits with it, 1 once a
+        child died STARTUP_FAILURES times while `starting` (the server never answered /health yet)."""
         self._tend_nats()
         for c in self.children:
             rc = None if c.proc is None else c.proc.poll()
@@ -291,6 +298,11 @@ class Supervisor:
                 if rc == EXIT_CONFIG:
                     log.error("%s exited with code 2 (a configuration error, see above): stopping", c.name)
                     return EXIT_CONFIG
+                c.startup_exits += starting
+                if c.startup_exits >= STARTUP_FAILURES:
+                    log.error("%s exited %d times before the server came up (last: %s; its output is "
+                              "above): stopping", c.name, c.startup_exits, describe_exit(rc))  # fmt: skip
+                    return 1
                 uptime, delay = c.backoff.down()
                 log.warning("%s exited (%s) after %.0f s; restarting it in %.0f s",
                             c.name, describe_exit(rc), uptime, delay)  # fmt: skip

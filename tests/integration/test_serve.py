@@ -285,11 +285,13 @@ def test_ctrl_c_stops_everything_in_order_and_quietly(served: Served) -> None:
 
 
 # -- refusing to start ---------------------------------------------------------------------------------
-def run_serve(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_serve(
+    args: list[str], timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     cache = private_cache()
     try:
         cmd = [sys.executable, "-m", "sglbus.cli", "serve", "--port", str(free_port()), *args]
-        env = {**os.environ, "SGLBUS_CACHE_DIR": cache}
+        env = {**os.environ, **(env or {}), "SGLBUS_CACHE_DIR": cache}
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -340,3 +342,22 @@ def test_a_service_with_a_bad_model_path_is_one_line_and_exit_2(service: str) ->
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "/nonexistent/model does not exist" in lines[0], r.stderr
+
+
+def test_services_that_cannot_start_stop_serve_with_exit_1(tmp_path) -> None:
+    """A broken install (here the services cannot import msgspec; serve itself does not need it): the
+    services die at start-up, serve stops after STARTUP_FAILURES tries each instead of restarting them
+    until its start-up timeout, and the services' own tracebacks are in its output."""
+    from sglbus.serve import STARTUP_FAILURES
+
+    blocked = tmp_path / "msgspec"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text("raise ImportError('msgspec blocked by the test')\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    r = run_serve(["--nats-port", str(free_port())], env={"PYTHONPATH": path})
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert time.monotonic() - start < 100
+    assert "msgspec blocked by the test" in r.stderr
+    assert f"exited {STARTUP_FAILURES} times before the server came up" in r.stderr
+    assert "sglbus is serving" not in r.stdout
