@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 
@@ -30,6 +31,7 @@ from shared.service_main import (
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("services.gateway")
+_READY_POLL_S = 0.1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,9 +85,16 @@ def main(argv: list[str] | None = None) -> None:
         freeze_startup_objects()  # no full-collection stalls of the HTTP loop (shared/gc_freeze.py)
         server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port,
                                                log_level="warning", timeout_graceful_shutdown=5))  # fmt: skip
+        sockets = None
+        if cfg.reuse_port:
+            # join the shared port only once this gateway can serve: the kernel hands a connection to
+            # any socket bound to it, and one that is still starting would answer 503 beside one that
+            # is ready (serve prints its URL at the first 200, as a gateway restarted later would)
+            while not gateway.ready:
+                await asyncio.sleep(_READY_POLL_S)
+            sockets = [shared_port_socket(cfg.host, cfg.port)]
         log.info("gateway listening on http://%s:%d%s", cfg.host, cfg.port,
                  " (API key required)" if cfg.api_key else "")  # fmt: skip
-        sockets = [shared_port_socket(cfg.host, cfg.port)] if cfg.reuse_port else None
         await server.serve(sockets)  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
         await shutdown("gateway", gateway.stop(), transport)
 
