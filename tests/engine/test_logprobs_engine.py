@@ -298,7 +298,7 @@ def test_a_bf16_model_draws_alike_with_and_without_a_float32_processor(make_engi
     for ids, a, b in zip(prompt_ids, plain, scored, strict=True):
         assert a["output_ids"] == b["output_ids"]
         ref = hf_logprobs(hf_model, ids + b["output_ids"])
-        got = [e[0] for e in b["meta_info"]["input_token_logprobs"][1:]]
+        got = [entry[0] for entry in b["meta_info"]["input_token_logprobs"][1:]]
         want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         assert max(abs(g - w) for g, w in zip(got, want.tolist(), strict=True)) < 0.5  # bf16 weights
         assert [t[0][1] for t in b["meta_info"]["output_top_logprobs"]] == b["output_ids"]
