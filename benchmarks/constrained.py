@@ -13,6 +13,11 @@ mean step time, the mask's share of B's step (1 - C/B, per step), and how many o
 
     python -m benchmarks.constrained --workload json --num-prompts 64
     python -m benchmarks.constrained --model-path <config folder> --load-format dummy --num-prompts 256
+    python -m benchmarks.constrained --workload json --num-prompts 64 --launch-server
+
+With `--launch-server` each of A and B runs on its own `sglbus serve` (the scheduler, detokenizer and
+gateway in processes of their own, as deployed; a batch is one `/generate` of all its prompts); by
+default on an in-process Engine, whose detokenizer shares the scheduler's process.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from benchmarks.stack_profile import StackProfile
@@ -83,12 +89,49 @@ def workload(kind: str, n: int) -> tuple[list[str], dict[str, Any], Any]:
     )
 
 
+class Served:
+    """The workload against a launched `sglbus serve`: a batch is one `/generate` of all its prompts
+    (SGLang's batch form), counters from `/get_server_info`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _call(self, method: str, path: str, body: Any = None, timeout: float = 3600) -> bytes:
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read()
+
+    def generate(self, prompts: list[str], params: Any) -> list[dict[str, Any]]:
+        out = json.loads(self._call("POST", "/generate", {"text": prompts, "sampling_params": params}))
+        return out if isinstance(out, list) else [out]
+
+    def flush_cache(self) -> None:
+        import urllib.error
+
+        for _ in range(100):  # refused while the previous batch's last requests still end
+            try:
+                self._call("POST", "/flush_cache")
+                return
+            except urllib.error.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("the server did not flush its cache")
+
+    def get_stats(self) -> dict[str, Any]:
+        return json.loads(self._call("GET", "/get_server_info"))["stats"]
+
+
 def run(
     engine, prompts: list[str], params: list[dict[str, Any]], trace: bool = False
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """One timed batch; trace: print where the scheduler thread's time went by phase, and on CUDA the
-    device time by step kind (benchmarks/step_trace.py, as `benchmarks.offline --step-trace`)."""
+    """One timed batch on an Engine or a `Served` server; trace (Engine only): print where the
+    scheduler thread's time went by phase, and on CUDA the device time by step kind
+    (benchmarks/step_trace.py, as `benchmarks.offline --step-trace`)."""
     engine.flush_cache()
+    trace = trace and not isinstance(engine, Served)
     if trace:
         engine._on_scheduler(lambda s: (setattr(s.timer, "trace", []), setattr(s.timer, "laps", [])))
     before = engine.get_stats()
@@ -112,6 +155,29 @@ def run(
     return outs, d
 
 
+@contextlib.contextmanager
+def runner(args: argparse.Namespace, jump: bool) -> Iterator[Any]:
+    """An Engine in this process, or with --launch-server a `sglbus serve` (the detokenizer and the
+    gateway in processes of their own, as deployed), with or without jump-forward."""
+    if args.launch_server:
+        from benchmarks.launch import LaunchedServer
+
+        extra = " ".join(x for x in (
+            f"--model-path {args.model_path}" if args.model_path else "",
+            f"--load-format {args.load_format}" if args.load_format else "",
+            "" if jump else "--disable-jump-forward",
+            args.server_args,
+        ) if x)  # fmt: skip
+        with LaunchedServer(extra) as server:
+            yield Served(server.url)
+        return
+    import sglbus
+
+    opts = {k: v for k, v in {"model_path": args.model_path, "load_format": args.load_format}.items() if v}
+    with sglbus.Engine(disable_jump_forward=not jump, **opts) as engine:
+        yield engine
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["json", "regex"], default="json")
@@ -122,17 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-file", default=None, help="append the figures as a JSONL row")
     p.add_argument("--profile", action="store_true", help="sample the threads' Python stacks in each run")
     p.add_argument("--step-trace", action="store_true", help="the scheduler's time by phase in each run")
+    p.add_argument(
+        "--launch-server",
+        action="store_true",
+        help="run on `sglbus serve` (launched for each of A and B) instead of an in-process Engine",
+    )
+    p.add_argument("--server-args", default="", help="with --launch-server: more `sglbus serve` options")
     args = p.parse_args(argv)
-
-    import sglbus
-
-    opts = {k: v for k, v in {"model_path": args.model_path, "load_format": args.load_format}.items() if v}
     prompts, params, valid = workload(args.workload, args.num_prompts)
     rows = []
     for r in range(args.rounds):
         row: dict[str, Any] = {}
         for name, jump in (("jump_forward", True), ("no_jump_forward", False)):
-            with sglbus.Engine(disable_jump_forward=not jump, **opts) as engine:
+            with runner(args, jump) as engine:
                 engine.generate(prompts[:2], params)  # warm up: the grammar compiles, first-step allocations
                 with StackProfile() if args.profile else contextlib.nullcontext() as prof:
                     print(f"-- {name}")

@@ -284,9 +284,10 @@ def test_batched_accepts_equal_one_by_one(setup, monkeypatch):
         assert m.accept([tok.encode("-", add_special_tokens=False)[0]])
 
 
-def test_batched_forced_and_retokenized_equal_one_by_one(setup):
-    """forced_tokens and retokenize_all give what each matcher's forced() and retokenize() do."""
-    from services.scheduler.constrained.grammar import forced_tokens
+def test_batched_forced_done_and_retokenized_equal_one_by_one(setup):
+    """forced_tokens, done_flags and retokenize_all give what each matcher's forced(), done and
+    retokenize() do."""
+    from services.scheduler.constrained.grammar import done_flags, forced_tokens
 
     backend, tok, mc = setup
     schema = {"type": "object", "properties": {"ab": {"type": "integer"}, "cd": {"type": "string"}},
@@ -300,6 +301,14 @@ def test_batched_forced_and_retokenized_equal_one_by_one(setup):
                 break
     found = forced_tokens(ms)
     assert found == [m.forced() for m in ms] and any(found)
+    ends = [compiled.matcher()]
+    for text in ('{"ab": 1, "cd": "x"}', '{"ab":1,"cd":"x"}'):  # whichever separators the backend writes
+        m = compiled.matcher()
+        if all(m.accept([t]) for t in tok.encode(text, add_special_tokens=False)):
+            ends.append(m)
+            break
+    assert len(ends) == 2
+    assert done_flags(ms + ends) == [m.done for m in ms + ends] == [False] * (len(ms) + 1) + [True]
     seqs = [tok.encode(t, add_special_tokens=False) for t in ('{"', 'a "b', "naïve", "")]
     seqs.append(
         tok.encode("\U0001f99c", add_special_tokens=False)[:1]

@@ -10,6 +10,7 @@
     matcher.forced()                       tokens the grammar forces next (jump-forward), maybe []
     forced_tokens(matchers)                the same for many matchers at once
     matcher.done                           the grammar can take nothing more but EOS
+    done_flags(matchers)                   the same for many matchers at once
 
 A grammar that does not compile raises GrammarError with the library's message (a 400 for the
 request); a compile past `timeout_s` raises GrammarError too, and the request ends while the compile
@@ -96,6 +97,12 @@ def forced_tokens(matchers: list[Matcher]) -> list[list[int]]:
     (`forced_batch`), else one by one."""
     batch = _batched(matchers, "forced_batch")
     return batch(matchers) if batch is not None else [m.forced() for m in matchers]
+
+
+def done_flags(matchers: list[Matcher]) -> list[bool]:
+    """Each matcher's `done`: in one call when they share a backend that has one (`done_batch`)."""
+    batch = _batched(matchers, "done_batch")
+    return batch(matchers) if batch is not None else [m.done for m in matchers]
 
 
 def _batched(matchers: list[Matcher], name: str) -> Callable | None:

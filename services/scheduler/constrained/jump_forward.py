@@ -21,7 +21,13 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from services.scheduler.constrained.grammar import GrammarError, Retokenizer, accept_sequences, forced_tokens
+from services.scheduler.constrained.grammar import (
+    GrammarError,
+    Retokenizer,
+    accept_sequences,
+    done_flags,
+    forced_tokens,
+)
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.request import Req
 from shared.finish import Abort, Stop
@@ -54,7 +60,7 @@ class GrammarDecode:
         if r.output:
             return
         self._jump_all([r], retokenizer)
-        self._guard(r, lambda: self._end_if_done(r))
+        self._end_all_done([r])
         if isinstance(r.finish, Abort):
             raise GrammarError(r.finish.message, 500)
 
@@ -76,10 +82,11 @@ class GrammarDecode:
             starts[i] = len(r.output) - 1
             if r.finish is None:
                 going.append(i)
-        keeps = self._jump_all([rows[i][0] for i in going], retokenizer)
+        reqs = [rows[i][0] for i in going]
+        keeps = self._jump_all(reqs, retokenizer)
+        self._end_all_done(reqs)
         for i, keep in zip(going, keeps, strict=True):
             r = rows[i][0]
-            self._guard(r, lambda r=r: self._end_if_done(r))
             starts[i] = None if isinstance(r.finish, Abort) else min(starts[i], keep)  # type: ignore[type-var]
         return starts
 
@@ -115,12 +122,17 @@ class GrammarDecode:
             r.finish = Abort(message, 500)
             self.stats["request_failures"] += 1
 
-    def _end_if_done(self, r: Req) -> None:
-        """The grammar allows only EOS now: EOS is appended without a forward (even with ignore_eos,
-        which has nothing else to sample)."""
-        if r.finish is None and r.matcher is not None and r.matcher.done and len(r.output) < r.max_new_tokens:
-            r.output.append(self.eos)
-            r.finish = Stop(self.eos)
+    def _end_all_done(self, reqs: list[Req]) -> None:
+        """A request whose grammar allows only EOS now ends: EOS is appended without a forward (even
+        with ignore_eos, which has nothing else to sample). The matchers asked in one batched call."""
+        live = [
+            r for r in reqs if r.finish is None and r.matcher is not None and len(r.output) < r.max_new_tokens
+        ]
+        flags = self._each(live, [r.matcher for r in live], done_flags, lambda r, m: m.done)
+        for r, done in zip(live, flags, strict=True):
+            if done is True and r.finish is None:
+                r.output.append(self.eos)
+                r.finish = Stop(self.eos)
 
     def _jump_all(self, reqs: list[Req], retokenizer: Retokenizer) -> list[int]:
         """Append each request's forced continuation, if any. Per request: the output index from which

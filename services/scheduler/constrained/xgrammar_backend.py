@@ -103,8 +103,16 @@ class XGrammarMatcher(Matcher):
     def done(self) -> bool:
         """Terminated, or complete with nothing but a stop token allowed next (xgrammar's is_terminated
         waits for the stop token itself): the mask's words with the stop tokens' bits cleared are 0."""
-        if not self._m.is_completed():  # (a terminated matcher is complete too): one call for most rows
-            return False
+        if not self._m._handle.is_completed():  # (a terminated matcher is complete too): one call for
+            return False  # most rows, past xgrammar's wrapper
+        return self._complete_done()
+
+    @staticmethod
+    def done_batch(matchers: list[Matcher]) -> list[bool]:
+        """`done` of each: one ffi call for each row that is not complete yet (most of them)."""
+        return [m._m._handle.is_completed() and m._complete_done() for m in matchers]  # type: ignore[attr-defined]
+
+    def _complete_done(self) -> bool:
         if self._m.is_terminated():
             return True
         row = torch.zeros((self._backend.vocab_size + 31) // 32, dtype=torch.int32)
