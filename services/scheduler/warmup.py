@@ -8,8 +8,8 @@ batch size, kernels/decode_attention.py), the extend kernel, and the fused layer
 arrays are exempt from alignment specialisation (kernels/index_args.py), so nothing else multiplies
 them. The warm-up runs eager decode batches of 1, 2, 4 .. 128 requests (every split count), one mixed
 batch (decodes, then extends with and without a cached prefix) and a greedy draw of its logits, plus
-the grammar bitmask kernel. Every row is req_to_token's padding row and every new token goes to KV
-slot 0, which is never handed out, so no request's state is touched.
+the grammar bitmask and penalty kernels. Every row is req_to_token's padding row and every new token
+goes to KV slot 0, which is never handed out, so no request's state is touched.
 """
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ def warm_up(runner) -> float:
         from kernels.grammar_mask import apply_bitmask
 
         words = torch.full((1, (logits.shape[1] + 31) // 32), -1, dtype=torch.int32, device=runner.device)
-        apply_bitmask(logits, words, torch.zeros(1, dtype=torch.int64, device=runner.device))
+        one = torch.zeros(1, dtype=torch.int64, device=runner.device)
+        apply_bitmask(logits, words, one)
+        from kernels.penalties import apply_penalties  # its two variants, on float32 rows as SampleStep's
+
+        rows, zero = logits[:1].float(), torch.zeros(1, device=runner.device)
+        counts = torch.zeros(1, logits.shape[1], dtype=torch.int32, device=runner.device)
+        for rep in (None, zero + 1.0):
+            apply_penalties(rows, one, one, counts, counts.bool(), zero, zero, rep)
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0
