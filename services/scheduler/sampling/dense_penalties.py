@@ -84,13 +84,15 @@ class DensePenaltyProcessor(LogitsProcessor):
         packed = to_device(rows + out_rows + out_tokens + seen_rows + seen_tokens, torch.int64, self.device)
         sizes = (len(rows), len(out_rows), len(out_tokens), len(seen_rows), len(seen_tokens))
         rows_d, out_rows_d, out_tokens_d, seen_rows_d, seen_tokens_d = packed.split(sizes)
-        self.counts[rows_d] = 0
-        self.prompt_seen[rows_d] = False
+        # index_fill_ takes its value as a kernel argument; `t[idx] = 0` may copy a CPU scalar to the
+        # device first, and a blocking copy waits for the step on the GPU
+        self.counts.index_fill_(0, rows_d, 0)
+        self.prompt_seen.index_fill_(0, rows_d, False)
         if out_tokens:
             ones = torch.ones(len(out_tokens), dtype=torch.int32, device=self.device)
             self.counts.index_put_((out_rows_d, out_tokens_d), ones, accumulate=True)
         if seen_tokens:
-            self.prompt_seen[seen_rows_d, seen_tokens_d] = True
+            self.prompt_seen.view(-1).index_fill_(0, seen_rows_d * self.vocab_size + seen_tokens_d, True)
         self._admitted.clear()
 
     @torch.inference_mode()
