@@ -10,11 +10,12 @@ __version__ = "0.1.0"
 # the frontend language's public names, loaded on first use (sglbus.lang needs no torch either)
 _LANG = (
     "Backend", "BusEndpoint", "ChatTemplate", "ChoiceDecision", "ChoiceMethod", "EngineBackend", "ForkGroup",
-    "Function", "OpenAI", "ProgramState", "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end",
-    "flush_cache", "function", "gen", "gen_int", "gen_string", "get_chat_template", "get_default_backend",
-    "get_server_info", "greedy_token_selection", "image", "select", "set_default_backend", "system",
-    "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
-    "user_begin", "user_end", "video",
+    "Function", "GlobalConfig", "OpenAI", "ProgramState", "Runtime", "RuntimeEndpoint", "assistant",
+    "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
+    "get_chat_template", "get_default_backend", "get_server_info", "global_config", "greedy_token_selection",
+    "image", "select", "set_default_backend", "system", "system_begin", "system_end",
+    "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
+    "video",
 )  # fmt: skip
 __all__ = ["Engine", "__version__", *_LANG]
 

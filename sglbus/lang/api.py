@@ -1,4 +1,5 @@
-"""The language's primitives: what a program appends to its state (`s += sgl.gen(...)`)."""
+"""The language's primitives: what a program appends to its state (`s += sgl.gen(...)`), and the rest
+of SGLang's `sglang.lang.api` (backends, Runtime, Engine, cache and server info)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,28 @@ from collections.abc import Callable
 from typing import Any
 
 from sglbus.lang import ir
-from sglbus.lang.backends.base import resolve_backend
+from sglbus.lang.backends.base import get_default_backend, resolve_backend, set_default_backend
 from sglbus.lang.choices import ChoiceMethod, token_length_normalized
 from sglbus.lang.function import Function
+from sglbus.lang.global_config import global_config
 from sglbus.lang.params import checked
+from sglbus.lang.runtime import Runtime
+
+__all__ = [  # Engine comes from __getattr__, lazily
+    "Engine", "Runtime", "assistant",  # noqa: F822 "assistant_begin", "assistant_end", "flush_cache", "function", "gen",
+    "gen_int", "gen_string", "get_default_backend", "get_server_info", "global_config", "image", "select",
+    "set_default_backend", "system", "system_begin", "system_end", "user", "user_begin", "user_end", "video",
+]  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    # `from sglbus.lang.api import Engine`: the Engine class, loaded (with torch) only when asked for
+    if name == "Engine":
+        from sglbus.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _GEN_PARAMS = ("name", "max_tokens", "min_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature",
                "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos",
@@ -18,6 +37,8 @@ _GEN_PARAMS = ("name", "max_tokens", "min_tokens", "n", "stop", "stop_token_ids"
                "dtype", "choices", "choices_method", "regex", "json_schema")  # fmt: skip
 
 _OWN_CONSTRAINT = ("dtype", "regex", "json_schema", "choices", "choices_method")
+# what gen_int / gen_string take: gen's parameters but the constraint they set themselves
+_OWN_PARAMS = tuple(p for p in _GEN_PARAMS if p not in _OWN_CONSTRAINT)
 
 
 def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | None = None) -> Any:
@@ -54,16 +75,38 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
                 json_schema=json_schema)  # fmt: skip
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:
-    """gen constrained to an integer (and stopped at the space or newline after it)."""
-    _no_unknown("gen_int", {k: v for k, v in kwargs.items() if k in _OWN_CONSTRAINT}, ())
-    return gen(name, max_tokens, dtype=int, **kwargs)
+def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+            stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+            stop_regex: str | list[str] | None = None, temperature: float | None = None,
+            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+            frequency_penalty: float | None = None, presence_penalty: float | None = None,
+            ignore_eos: bool | None = None, return_logprob: bool | None = None,
+            logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+            return_text_in_logprobs: bool | None = None, *, min_tokens: int | None = None,
+            **unknown: Any) -> ir.Expr:  # fmt: skip
+    """gen constrained to an integer (and stopped at the space or newline after it). Positional
+    parameters in SGLang's order."""
+    _typed_gen_unknown("gen_int", unknown)
+    return gen(name, max_tokens, min_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k,
+               min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+               top_logprobs_num, return_text_in_logprobs, dtype=int)  # fmt: skip
 
 
-def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:
-    """gen constrained to a double-quoted string of word characters and spaces."""
-    _no_unknown("gen_string", {k: v for k, v in kwargs.items() if k in _OWN_CONSTRAINT}, ())
-    return gen(name, max_tokens, dtype=str, **kwargs)
+def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+               stop_regex: str | list[str] | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               frequency_penalty: float | None = None, presence_penalty: float | None = None,
+               ignore_eos: bool | None = None, return_logprob: bool | None = None,
+               logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+               return_text_in_logprobs: bool | None = None, *, min_tokens: int | None = None,
+               **unknown: Any) -> ir.Expr:  # fmt: skip
+    """gen constrained to a double-quoted string of word characters and spaces. Positional parameters
+    in SGLang's order."""
+    _typed_gen_unknown("gen_string", unknown)
+    return gen(name, max_tokens, min_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k,
+               min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+               top_logprobs_num, return_text_in_logprobs, dtype=str)  # fmt: skip
 
 
 def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
@@ -72,8 +115,8 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     stored as s[name] and appended to the text."""
     if not isinstance(choices, (list, tuple)) or not choices:
         raise ValueError(f"select: choices must be a non-empty list of strings, got {choices!r}")
-    if not all(isinstance(c, str) and c for c in choices):
-        raise ValueError(f"select: every choice must be a non-empty string, got {list(choices)!r}")
+    if not all(isinstance(c, str) for c in choices):  # "" is a choice too (nothing appended), as in SGLang
+        raise ValueError(f"select: every choice must be a string, got {list(choices)!r}")
     if temperature != 0:
         raise ValueError(
             f"select: temperature must be 0 (choices are scored, not sampled), got {temperature!r}"
@@ -140,12 +183,18 @@ def assistant_end() -> ir.Expr:
     return ir.RoleEnd("assistant")
 
 
-def flush_cache(backend: Any = None) -> bool:
-    """Empty the runtime's prefix cache (the default backend's without an argument)."""
-    return resolve_backend(backend).flush_cache()
+def flush_cache(backend: Any = None, empty_cache: bool = True) -> bool:
+    """Empty the runtime's prefix cache (the default backend's without an argument); False when there
+    is no backend at all, as in SGLang. empty_cache: see Backend.flush_cache."""
+    if backend is None and global_config.default_backend is None:
+        return False
+    return resolve_backend(backend).flush_cache(empty_cache=empty_cache)
 
 
-def get_server_info(backend: Any = None) -> dict[str, Any]:
+def get_server_info(backend: Any = None) -> dict[str, Any] | None:
+    """The runtime's server info; None when there is no backend at all, as in SGLang."""
+    if backend is None and global_config.default_backend is None:
+        return None
     return resolve_backend(backend).get_server_info()
 
 
@@ -155,12 +204,17 @@ def _gen(where: str, name: str | None, **values: Any) -> ir.Gen:
     return ir.Gen(name, checked(where, **values))
 
 
+def _typed_gen_unknown(where: str, unknown: dict[str, Any]) -> None:
+    own = [k for k in unknown if k in _OWN_CONSTRAINT]
+    if own:
+        raise TypeError(f"{where}: {own[0]!r} cannot be set here (the function sets its own constraint)")
+    _no_unknown(where, unknown, _OWN_PARAMS)
+
+
 def _no_unknown(where: str, unknown: dict[str, Any], allowed: tuple[str, ...]) -> None:
     if not unknown:
         return
     bad = next(iter(unknown))
-    if not allowed:
-        raise TypeError(f"{where}: {bad!r} cannot be set here (the function sets its own constraint)")
     close = difflib.get_close_matches(bad, allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise TypeError(f"{where}: unknown parameter {bad!r} (parameters: {', '.join(allowed)}){hint}")

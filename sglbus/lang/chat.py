@@ -3,19 +3,21 @@
 The interpreter renders a role piece by piece (`assistant_begin()`, a `gen`, `assistant_end()`), so it
 needs each role's prefix and suffix rather than a whole-conversation template. `from_jinja` derives
 them from a model's own Jinja template (tokenizer_config.json) by rendering small conversations with
-a marker as the content; a few named templates cover servers whose template cannot be read.
+a marker as the content; SGLang's named templates (`chat_template.py`) cover servers whose template
+cannot be read.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
 _MARK = "\x00sglbus-content\x00"
+PLAIN, LLAMA2 = "plain", "llama2"  # styles: LLAMA2 writes the system prompt inside the first [INST]
 
 
 @dataclass(frozen=True)
@@ -26,60 +28,55 @@ class ChatTemplate:
     stop_str: tuple[str, ...] = ()  # added to every gen's stop strings
     image_token: str = "<image>"
     extra: dict[str, Any] = field(default_factory=dict)
+    style: str = PLAIN
 
-    def prefix_and_suffix(self, role: str) -> tuple[str, str]:
+    def prefix_and_suffix(self, role: str, history: Sequence[dict[str, Any]] = ()) -> tuple[str, str]:
+        """The role's prefix and suffix after the messages in history (only LLAMA2 looks at them: a
+        first system message opens the user's [INST], and the user's message after it has no prefix)."""
         if role not in self.roles:
             raise ValueError(
                 f"chat template {self.name!r} has no role {role!r}; roles: {', '.join(self.roles)}"
             )
-        return self.roles[role]
+        prefix, suffix = self.roles[role]
+        if self.style == LLAMA2:
+            if role == "system" and not history:
+                return self.roles["user"][0] + prefix, suffix
+            if role == "user" and len(history) == 1 and history[0].get("content") is not None:
+                return "", suffix
+        return prefix, suffix
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The prompt text of whole messages (as the interpreter would build it role by role)."""
-        out = []
         if messages and messages[0]["role"] != "system" and self.default_system_prompt:
             messages = [{"role": "system", "content": self.default_system_prompt}, *messages]
+        return self._join(messages)
+
+    # SGLang's names for the same things
+    @property
+    def role_prefix_and_suffix(self) -> dict[str, tuple[str, str]]:
+        return self.roles
+
+    def get_prefix_and_suffix(self, role: str, hist_messages: list[dict[str, Any]]) -> tuple[str, str]:
+        return self.prefix_and_suffix(role, hist_messages)
+
+    def get_prompt(self, messages: list[dict[str, Any]]) -> str:
+        """render, with SGLang's convention: a system message whose content is None is the default
+        system prompt (left out when there is none)."""
+        resolved = []
         for m in messages:
-            prefix, suffix = self.prefix_and_suffix(m["role"])
+            if m["role"] == "system" and m["content"] is None:
+                if self.default_system_prompt is None:
+                    continue
+                m = {**m, "content": self.default_system_prompt}
+            resolved.append(m)
+        return self._join(resolved)
+
+    def _join(self, messages: list[dict[str, Any]]) -> str:
+        out = []
+        for i, m in enumerate(messages):
+            prefix, suffix = self.prefix_and_suffix(m["role"], messages[:i])
             out.append(prefix + m["content"] + suffix)
         return "".join(out)
-
-
-def _named(name: str, roles: dict[str, tuple[str, str]], stop: tuple[str, ...] = ()) -> ChatTemplate:
-    return ChatTemplate(name, roles, stop_str=stop)
-
-
-TEMPLATES: dict[str, ChatTemplate] = {
-    t.name: t
-    for t in (
-        _named("default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"),
-                           "assistant": ("ASSISTANT:", "\n")}),
-        _named("chatml", {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES}, ("<|im_end|>",)),
-        _named("llama-3-instruct",
-               {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>") for r in ROLES},
-               ("<|eot_id|>",)),
-    )
-}  # fmt: skip
-
-# model names -> template, for a server whose tokenizer files the client cannot read
-_BY_MODEL_NAME = (
-    (r"llama-?3.*instruct", "llama-3-instruct"),
-    (r"smollm|qwen|chatml|hermes|yi-.*chat", "chatml"),
-)
-
-
-def get_chat_template(name: str) -> ChatTemplate:
-    try:
-        return TEMPLATES[name]
-    except KeyError:
-        raise ValueError(f"unknown chat template {name!r}; known: {', '.join(TEMPLATES)}") from None
-
-
-def template_for_model(model_path: str) -> ChatTemplate:
-    for pattern, name in _BY_MODEL_NAME:
-        if re.search(pattern, model_path, re.IGNORECASE):
-            return TEMPLATES[name]
-    return TEMPLATES["default"]
 
 
 def template_from_folder(folder: str) -> ChatTemplate | None:

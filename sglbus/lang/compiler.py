@@ -40,7 +40,9 @@ class _Instance:
         self, trace: Trace, backend: Backend, defaults: SamplingParams, arguments: dict[str, Any]
     ) -> None:
         self.trace, self.arguments = trace, arguments
-        self.executors = {0: StreamExecutor(backend, defaults, threaded=False)}
+        # the program's own stream and those of the programs it calls start empty; forks make the others
+        self.executors = {s: StreamExecutor(backend, defaults, threaded=False)
+                          for s, start in trace.stream_start.items() if start is None}  # fmt: skip
         self.pos = dict.fromkeys(trace.streams, 0)  # each stream's next node
         self.done: set[int] = set()
         self.values: dict[tuple[int, str | None], Any] = {}  # (node, variable) -> what it produced
@@ -195,6 +197,10 @@ class CompiledFunction:
 
     def __str__(self) -> str:
         return str(self.trace)
+
+    def print_graph(self) -> None:
+        """Print the graph, one node a line in topological order (SGLang's CompiledFunction.print_graph)."""
+        print(self.trace)
 
     def run(self, *args: Any, backend: Any = None, **kwargs: Any) -> ProgramState:
         """One run; keyword arguments are the program's placeholders and run()'s sampling defaults."""

@@ -7,20 +7,26 @@ many, run on threads after the prefix they all share went to the runtime's cache
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sglbus.lang.backends.base import Backend, resolve_backend
+from sglbus.lang.global_config import global_config
 from sglbus.lang.interpreter import StopTracing, StreamExecutor
 from sglbus.lang.params import SamplingParams, run_defaults
 from sglbus.lang.state import ProgramState
+from sglbus.lang.tracer import tracing, tracing_scope
 
 if TYPE_CHECKING:
     from sglbus.lang.compiler import CompiledFunction
     from sglbus.lang.tracer import Trace
+
+log = logging.getLogger(__name__)
 
 # a shorter common prefix is not worth a request of its own before a batch
 MIN_PREFIX_CHARS = 64
@@ -52,7 +58,11 @@ class Function:
             )
         return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
-    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """run(); inside a program being traced (compile, trace, run_batch's prefix), part of its trace."""
+        scope = tracing_scope()
+        if scope is not None:
+            return scope.call(self, args, kwargs)
         return self.run(*args, **kwargs)
 
     def run(self, *args: Any, max_new_tokens: int = 128, n: int = 1, stop: str | list[str] | None = None,
@@ -73,10 +83,9 @@ class Function:
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
         )  # fmt: skip
-        if stream and self.num_api_spec_tokens is not None:
-            raise ValueError("run: stream=True cannot be combined with "
-                             "@sgl.function(num_api_spec_tokens=...): a speculated reply is matched once "
-                             "it is complete")  # fmt: skip
+        if stream and self.num_api_spec_tokens is not None:  # SGLang: an error of the program, not of run()
+            warnings.warn(f"{self.__name__}.run(stream=True) with num_api_spec_tokens: its first gen fails "
+                          f"(state.error()); run without stream=True", stacklevel=2)  # fmt: skip
         return self._run(self._backend(backend), args, kwargs, defaults, stream, use_thread)
 
     def run_batch(self, batch_kwargs: list[dict[str, Any]] | list[tuple[Any, ...]], *,
@@ -105,7 +114,7 @@ class Function:
         batch = [self._as_kwargs(i, a) for i, a in enumerate(batch_kwargs)]
         threads = _thread_count(num_threads, len(batch))
         be = self._backend(backend)
-        if len(batch) > 1:
+        if len(batch) > 1 and global_config.enable_precache_with_tracing:
             self.cache(be)
 
         def one(kwargs: dict[str, Any]) -> ProgramState:
@@ -116,8 +125,10 @@ class Function:
         states = _map(one, batch, threads, progress_bar)
         return states if generator_style else list(states)
 
-    def trace(self, **arguments: Any) -> Trace:
-        """The program as an IR graph (compiler mode), printable; arguments not given are placeholders."""
+    def trace(self, *, backend: Any = None, **arguments: Any) -> Trace:
+        """The program as an IR graph (compiler mode), printable; arguments not given are placeholders.
+        backend is taken as SGLang's is; the graph does not depend on it (roles and their chat template
+        are rendered when the graph runs)."""
         from sglbus.lang.tracer import trace_function
 
         return trace_function(self, arguments)
@@ -146,20 +157,23 @@ class Function:
         arguments = {name: _Placeholder(name) for name in self.arg_names}
         arguments.update(self.bind_arguments)
         try:
-            self.func(state, **arguments)
+            with tracing(_PrefixScope()):
+                self.func(state, **arguments)
         except Exception:  # StopTracing, or what a placeholder does to the program's own code
             pass
         return executor.text_
 
     # -- plumbing -------------------------------------------------------------------------------
     def _backend(self, backend: Any) -> Backend:
-        be = resolve_backend(backend)
-        if self.num_api_spec_tokens is not None and not be.supports_api_speculative_execution:
-            raise ValueError(
-                f"@sgl.function(num_api_spec_tokens=...) needs a backend with API speculative execution "
-                f"(sgl.OpenAI); {type(be).__name__} has none"
-            )
-        return be
+        return resolve_backend(backend)
+
+    def _spec_tokens(self, backend: Backend) -> int | None:
+        """num_api_spec_tokens, or None where the backend does not speculate (the setting is ignored)."""
+        if self.num_api_spec_tokens is not None and not backend.supports_api_speculative_execution:
+            log.debug("%s: num_api_spec_tokens ignored: %s has no API speculative execution",
+                      self.__name__, type(backend).__name__)  # fmt: skip
+            return None
+        return self.num_api_spec_tokens
 
     def _as_kwargs(self, i: int, arguments: Any) -> dict[str, Any]:
         if isinstance(arguments, dict):
@@ -172,7 +186,7 @@ class Function:
     def _run(self, backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any], defaults: SamplingParams,
              stream: bool, use_thread: bool) -> ProgramState:  # fmt: skip
         state = ProgramState(StreamExecutor(backend, defaults, stream, threaded=use_thread or stream,
-                                            num_api_spec_tokens=self.num_api_spec_tokens))  # fmt: skip
+                                            num_api_spec_tokens=self._spec_tokens(backend)))  # fmt: skip
         kwargs = {**kwargs, **self.bind_arguments}
 
         def body() -> None:
@@ -180,6 +194,8 @@ class Function:
                 state.ret_value = self.func(state, *args, **kwargs)
             finally:
                 state.stream_executor.end()
+            if global_config.verbosity >= 2:
+                print(state.text())
 
         if stream:
             threading.Thread(target=body, name=f"sglbus-program-{self.__name__}", daemon=True).start()
@@ -216,6 +232,13 @@ def _map(
     finally:
         if bar is not None:
             bar.close()
+
+
+class _PrefixScope:
+    """shared_prefix's tracing: a program called inside ends the prefix, like any other unknown."""
+
+    def call(self, function: Function, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise StopTracing(function.__name__)
 
 
 class _Placeholder:

@@ -256,6 +256,11 @@ class StreamExecutor:
     def _gen(self, gen: ir.Gen) -> None:
         if self.tracing:
             raise StopTracing
+        if self.stream and self.speculation is not None:  # as SGLang: the program's error, not run()'s
+            raise ValueError(
+                "gen: run(stream=True) cannot be combined with @sgl.function(num_api_spec_tokens=...): a "
+                "speculated reply is matched once it is complete; run without stream=True"
+            )
         params = self.gen_params(gen)
         if not self.stream:
             generate = self.backend.generate if self.speculation is None else self.speculation.generate
@@ -296,7 +301,7 @@ class StreamExecutor:
             self._role_begin("system")
             self._append(self.chat_template.default_system_prompt)
             self._role_end("system")
-        prefix, _ = self.chat_template.prefix_and_suffix(role)
+        prefix, _ = self.chat_template.prefix_and_suffix(role, self.messages_)
         self.role = role
         self._append(prefix)
         self.role_start = len(self.text_)
@@ -307,5 +312,5 @@ class StreamExecutor:
         self._spec_reset()
         content = self.text_[self.role_start :].lstrip()
         self.role = None
-        self._append(self.chat_template.prefix_and_suffix(role)[1])
+        self._append(self.chat_template.prefix_and_suffix(role, self.messages_)[1])
         self.messages_.append({"role": role, "content": content})

@@ -7,9 +7,15 @@ makes when it reaches it. `+` joins expressions (and strings) into a flat `ExprL
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# REGEX_*: gen(dtype=...)'s patterns, re-exported where SGLang's programs import them from (its ir)
+from sglbus.lang.params import REGEX_BOOL as REGEX_BOOL
+from sglbus.lang.params import REGEX_FLOAT as REGEX_FLOAT
+from sglbus.lang.params import REGEX_INT as REGEX_INT
+from sglbus.lang.params import REGEX_STR as REGEX_STR
 from sglbus.lang.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +36,19 @@ class Expr:
 @dataclass(eq=False)
 class ExprList(Expr):
     items: list[Expr]
+
+
+@dataclass(eq=False)
+class AppendedExprList(ExprList):
+    """What `s.user(x)` returns: the role it has already appended to `s`, as SGLang returns it, so that
+    `s += s.user(x)` (SGLang's tutorial: "same as `s += sgl.user(x)`") appends it once. SGLang's own
+    `+=` appends it a second time; here `+=` on the state it came from appends nothing, and on any
+    other state it appends the role as any expression."""
+
+    owner: weakref.ref[Any] | None = None
+
+    def appended_to(self, state: Any) -> bool:
+        return self.owner is not None and self.owner() is state
 
 
 @dataclass(eq=False)

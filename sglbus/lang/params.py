@@ -12,13 +12,13 @@ import math
 import re
 from typing import Any
 
-# what `gen(dtype=...)` constrains the output to (the same patterns as SGLang's frontend)
-DTYPE_REGEX = {
-    "int": r"[-+]?[0-9]+[ \n]*",
-    "float": r"[-+]?[0-9]*\.?[0-9]+[ \n]*",
-    "bool": r"(True|False)",
-    "str": r"\"[\w\d\s]*\"",
-}
+# what `gen(dtype=...)` constrains the output to: SGLang's patterns, under its names (`sglbus.lang.ir`
+# exports them, as `sglang.lang.ir` does)
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""
+DTYPE_REGEX = {"int": REGEX_INT, "float": REGEX_FLOAT, "bool": REGEX_BOOL, "str": REGEX_STR}
 DTYPES = {int: "int", float: "float", bool: "bool", str: "str", **{k: k for k in DTYPE_REGEX}}
 # numbers end at a space or a newline: the stop strings keep the number alone in the variable
 DTYPE_STOPS = {"int": (" ", "\n"), "float": (" ", "\n")}
@@ -159,9 +159,16 @@ def _check(where: str, name: str, v: Any) -> Any:
     raise TypeError(f"{where}: unknown parameter {name!r}")  # the callers list their own parameters
 
 
+class RegexError(re.error, ValueError):
+    """An invalid regex or stop_regex: `re.error`, as SGLang's `gen` raises, and a ValueError like every
+    other bad argument."""
+
+
 def _compiles(where: str, name: str, pattern: str) -> str:
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ValueError(f"{where}: {name} is not a valid regular expression: {e}") from None
+        err = RegexError(f"{where}: {name} is not a valid regular expression: {e}")
+        err.pattern, err.pos, err.lineno, err.colno = e.pattern, e.pos, e.lineno, e.colno
+        raise err from None
     return pattern

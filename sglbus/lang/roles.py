@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,9 +14,12 @@ from sglbus.lang import ir
 
 class StateRoles:
     def _role(self, role: str, expr: Any = None) -> Any:
+        """With expr: the role is appended now, and returned (`s += s.user(x)` does not append it twice,
+        see ir.AppendedExprList); without: a `with` block."""
         if expr is not None:
-            self += ir.RoleBegin(role) + expr + ir.RoleEnd(role)
-            return None
+            steps = [ir.RoleBegin(role), *ir.leaves(expr), ir.RoleEnd(role)]
+            self += ir.ExprList(steps)  # type: ignore[operator]  # the state's own __iadd__
+            return ir.AppendedExprList(steps, weakref.ref(self))
         return self._scope(ir.RoleBegin(role), ir.RoleEnd(role))
 
     def system(self, expr: Any = None) -> Any:

@@ -1,8 +1,9 @@
 """API speculative execution (the SGLang paper, §5), for a backend whose API cannot continue a
 half-written reply (a chat model) or where one call per gen would pay for the whole prompt each time:
 the first gen of a stretch asks for more tokens than it needs, and the program's own text and its
-later gens are matched against that speculated reply. `OpenAI.speculation` makes one per program
-state (`@sgl.function(num_api_spec_tokens=N)`)."""
+later gens are matched against that speculated reply. `Backend.speculation` makes one per program
+state (`@sgl.function(num_api_spec_tokens=N)`); on a completion-style backend (the native ones, or
+sgl.OpenAI with a completion model) it continues the text, as SGLang's does on any non-chat backend."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from sglbus.lang import ir
 from sglbus.lang.branches import check_join_mode, per_branch
 from sglbus.lang.interpreter import StreamExecutor
 from sglbus.lang.roles import StateRoles
@@ -28,6 +29,8 @@ class ProgramState(StateRoles):
     def __iadd__(self, other: Any) -> ProgramState:
         if other is None:
             raise ValueError("cannot append None to a program state")
+        if isinstance(other, ir.AppendedExprList) and other.appended_to(self):
+            return self  # `s += s.user(x)`: s.user(x) appended it already
         self.stream_executor.submit(other)
         return self
 
@@ -72,9 +75,9 @@ class ProgramState(StateRoles):
         return ForkGroup([ProgramState(e) for e in self.stream_executor.fork(size)], self)
 
     @contextmanager
-    def copy(self) -> Iterator[ProgramState]:
+    def copy(self, position_ids_offset: Any = None) -> Iterator[ProgramState]:
         """One branch, joined back at the end of the `with` block."""
-        group = self.fork(1)
+        group = self.fork(1, position_ids_offset)
         try:
             yield group[0]
         finally:
@@ -107,7 +110,7 @@ class ProgramState(StateRoles):
             executor.end()
 
     def __repr__(self) -> str:
-        return f"ProgramState({self.text()!r})"
+        return f"ProgramState({self.text()})"  # SGLang's format: programs slice the text out of it
 
 
 class ForkGroup:

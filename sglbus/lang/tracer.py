@@ -5,10 +5,13 @@ image, fork (new streams), join, and the value of another stream's variable. A n
 before it in its stream; a branch's first node on its fork; a join on the last node of every branch; a
 variable's value on the node producing it. Python code that looks at a generated value or a placeholder
 (`if s["x"] == ...`, an f-string, a loop) has no static graph: tracing raises UntraceableError, and
-interpreter mode still runs it. `compiler.py` runs the graph."""
+interpreter mode still runs it. Another @sgl.function called inside the traced one (`sub(x=s["a"])`) is
+traced into the same graph as a stream of its own, which starts empty, as its own run would.
+`compiler.py` runs the graph."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,8 +27,9 @@ if TYPE_CHECKING:
 _INTERPRETER = "interpreter mode (fn.run) runs any program"
 
 
-class UntraceableError(RuntimeError):
-    """The program has no static graph: its Python code depends on values known only at run time."""
+class UntraceableError(RuntimeError, TypeError):
+    """The program has no static graph: its Python code depends on values known only at run time. A
+    TypeError too, as SGLang's tracer raises for an argument in an f-string."""
 
 
 # -- values known only when the graph runs ---------------------------------------------------------
@@ -160,6 +164,22 @@ class Node:
         deps = " <- " + ", ".join(f"%{d.id}" for d in self.deps) if self.deps else ""
         return f"%{self.id:<3} s{self.stream:<2} {self.kind:<15} {what}{deps}"
 
+    def print_graph_dfs(self) -> str:
+        """This node and every node it depends on, dependencies first, one a line (SGLang's name; it
+        returns the text rather than printing it, as SGLang's does)."""
+        seen: set[int] = set()
+        lines: list[str] = []
+        stack: list[tuple[Node, bool]] = [(self, False)]  # iterative: a long program is a long chain
+        while stack:
+            node, deps_done = stack.pop()
+            if deps_done:
+                lines.append(str(node) + "\n")
+            elif node.id not in seen:
+                seen.add(node.id)
+                stack.append((node, True))
+                stack.extend((d, False) for d in reversed(node.deps))
+        return "".join(lines)
+
 
 class Trace:
     """A traced program: its nodes in creation order (a topological order) and its streams, each a chain
@@ -171,6 +191,11 @@ class Trace:
         self.streams: dict[int, list[Node]] = {0: []}
         self.stream_start: dict[int, Node | None] = {0: None}  # the fork a branch starts from
         self.ret_value: Any = None  # what the function returned while traced (VarRefs resolved at run)
+
+    @property
+    def last_node(self) -> Node | None:
+        """The program's last node (of its own stream), as SGLang's tracer has it."""
+        return self.last(0)
 
     def last(self, stream: int) -> Node | None:
         chain = self.streams[stream]
@@ -191,7 +216,8 @@ class Trace:
         chain.append(node)
         return node
 
-    def new_stream(self, fork: Node) -> int:
+    def new_stream(self, fork: Node | None) -> int:
+        """A branch of fork; without one, the stream of another program called inside this one."""
         stream = len(self.streams)
         self.streams[stream], self.stream_start[stream] = [], fork
         return stream
@@ -216,12 +242,15 @@ class TraceState(StateRoles):
     def __init__(self, trace: Trace, stream: int, variables: dict[str | None, Node]) -> None:
         self.trace, self.stream, self.variables = trace, stream, variables
         self.joined = False
+        self.ret_value: Any = None  # of a program called inside the traced one
 
     def __iadd__(self, other: Any) -> TraceState:
         if other is None:
             raise ValueError("cannot append None to a program state")
         if self.joined:
             raise ValueError("a fork branch is appended to after its join()")
+        if isinstance(other, ir.AppendedExprList) and other.appended_to(self):
+            return self  # `s += s.user(x)`: s.user(x) appended it already
         for step in ir.leaves(other):
             extra = [step.node] if isinstance(step, VarRef) else []
             name = ir.produced_name(step)
@@ -280,8 +309,8 @@ class TraceState(StateRoles):
         )
 
     @contextmanager
-    def copy(self) -> Iterator[TraceState]:
-        group = self.fork(1)
+    def copy(self, position_ids_offset: Any = None) -> Iterator[TraceState]:
+        group = self.fork(1, position_ids_offset)
         try:
             yield group[0]
         finally:
@@ -329,6 +358,54 @@ class TraceForkGroup:
             s.joined = True
 
 
+# -- programs called inside a traced program --------------------------------------------------------
+_scopes = threading.local()
+
+
+def tracing_scope() -> Any:
+    """What the program running on this thread is being traced for (its `call(function, args, kwargs)`
+    takes the programs it calls), or None when it runs."""
+    stack = getattr(_scopes, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextmanager
+def tracing(scope: Any) -> Iterator[None]:
+    stack = _scopes.__dict__.setdefault("stack", [])
+    stack.append(scope)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+class GraphScope:
+    """A program traced into a graph: a program it calls is traced into the same graph, as a stream of
+    its own that starts empty (as its own run would) and depends on the values it is given."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    def call(self, function: Function, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceState:
+        name = function.__name__
+        if function.num_api_spec_tokens is not None:
+            raise UntraceableError(f"{name} has num_api_spec_tokens: API speculative execution is for "
+                                   f"interpreter mode; {_INTERPRETER}")  # fmt: skip
+        extra = [k for k in kwargs if k not in function.arg_names]
+        if extra:
+            raise UntraceableError(
+                f"{name}({extra[0]}=...): a program called inside a traced one takes its own arguments only "
+                f"(its sampling defaults and backend are those of the compiled run); parameters: "
+                f"{function.arg_names}"
+            )
+        if len(args) > len(function.arg_names):
+            raise TypeError(f"{name}: {len(args)} positional arguments for parameters {function.arg_names}")
+        values = {**dict(zip(function.arg_names, args, strict=False)), **kwargs, **function.bind_arguments}
+        state = TraceState(self.trace, self.trace.new_stream(None), {})
+        state.ret_value = function.func(state, **values)
+        return state
+
+
 def trace_function(function: Function, arguments: dict[str, Any]) -> Trace:
     """function's graph, with `arguments` (and what function.bind fixed) as constants and the other
     arguments as placeholders."""
@@ -339,7 +416,8 @@ def trace_function(function: Function, arguments: dict[str, Any]) -> Trace:
     values.update({**function.bind_arguments, **arguments})
     trace = Trace(function.__name__, [k for k, v in values.items() if isinstance(v, Argument)])
     try:
-        trace.ret_value = function.func(TraceState(trace, 0, {}), **values)
+        with tracing(GraphScope(trace)):
+            trace.ret_value = function.func(TraceState(trace, 0, {}), **values)
     except UntraceableError as e:
         raise UntraceableError(f"cannot trace {function.__name__}: {e}") from None
     except Exception as e:

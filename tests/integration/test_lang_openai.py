@@ -158,7 +158,7 @@ def test_what_a_chat_model_cannot_do_is_refused_before_any_call(chat):
     assert chat.usage.calls == 0
 
 
-def test_streaming_and_server_errors(server, completion, chat, model, native):
+def test_streaming_and_server_errors(server, completion, chat, model):
     @sgl.function
     def story(s):
         s += sgl.system("You are a helpful assistant.")
@@ -179,5 +179,13 @@ def test_streaming_and_server_errors(server, completion, chat, model, native):
     wrong = sgl.OpenAI("no-such-model", base_url=server.url + "/v1", is_chat_model=True)
     error = story.run(backend=wrong).error()
     assert isinstance(error, RuntimeError) and "HTTP 404" in str(error) and "no-such-model" in str(error)
-    with pytest.raises(ValueError, match=r"needs a backend with API speculative execution \(sgl.OpenAI\)"):
-        spec_extraction.run(bio=BIO, backend=native)
+
+
+def test_a_native_backend_speculates_as_a_completion_model(native, srv):
+    """SGLang speculates on any non-chat backend: one wide /generate, the same greedy fields."""
+    baseline = plain_extraction.run(bio=BIO, temperature=0, max_new_tokens=16, backend=native)
+    state = spec_extraction.run(bio=BIO, temperature=0, max_new_tokens=16, backend=native)
+    assert baseline.error() is None and state.error() is None, (baseline.error(), state.error())
+    assert [state[f] for f in FIELDS] == [baseline[f] for f in FIELDS]
+    assert state.get_meta_info("name")["api_speculative"] == "call"
+    assert state.get_meta_info("job") == {"api_speculative": "matched"}

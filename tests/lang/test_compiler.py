@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from scripted_backend import ScriptedBackend
 
 import sglbus as sgl
 from sglbus.lang.backends.engine import EngineBackend
@@ -117,6 +118,72 @@ def test_untraceable_programs_are_refused_clearly():
         reads_text.trace()
     with pytest.raises(ValueError, match="API speculative execution .* interpreter mode"):
         sgl.function(num_api_spec_tokens=64)(reads_text.func).compile()
+
+
+def test_sglangs_tracing_interface():
+    @sgl.function
+    def wrong(s, question):
+        s += f"I want to ask {question}"
+
+    with pytest.raises(TypeError, match="f-string"):  # SGLang's test_tracing.test_raise_warning
+        wrong.trace()
+
+    @sgl.function
+    def qa(s, backend_hint, question):
+        s += s.system("Answer briefly.")  # appended once: s.system(x) appended it already
+        s += backend_hint + "Q: " + question + "\nA:" + sgl.gen("answer", stop="\n")
+
+    t = qa.trace(backend=ScriptedBackend(), backend_hint="")  # backend: keyword only, not an argument
+    assert t.placeholders == ["question"]
+    assert [n.kind for n in t.streams[0][:3]] == ["role_begin", "text", "role_end"]
+    assert t.last_node is t.streams[0][-1] and t.last_node.kind == "gen"
+    listing = t.last_node.print_graph_dfs()  # every node the last one depends on, dependencies first
+    assert listing.splitlines() == [str(n) for n in t.nodes] and listing.endswith("\n")
+
+
+def test_a_program_called_inside_a_compiled_one_is_part_of_its_graph(capsys):
+    """SGLang's test_tracing.test_multi_function: each call is a stream of its own, fed by the caller."""
+
+    @sgl.function
+    def expand(s, tip):
+        s += "Expand:" + tip + "\n" + sgl.gen("detailed_tip", stop="\n")
+
+    @sgl.function
+    def tips(s, topic):
+        s += "Tips for " + topic + ".\n1." + sgl.gen("tip_1", stop="\n")
+        s += "\n2." + sgl.gen("tip_2", stop="\n")
+        first, second = expand(tip=s["tip_1"]), expand(s["tip_2"])
+        s += "\nTip 1:" + first["detailed_tip"] + "\nTip 2:" + second["detailed_tip"] + "\nIn short:"
+        s += sgl.gen("summary", stop="\n")
+
+    compiled = tips.compile()
+    t = compiled.trace
+    assert set(t.streams) == {0, 1, 2} and t.stream_start[1] is None and t.stream_start[2] is None
+    tip_1 = next(n for n in t.streams[0] if n.kind == "gen" and n.step.name == "tip_1")
+    assert tip_1 in t.streams[1][1].deps  # the sub-program's `tip` is the caller's tip_1
+    compiled.print_graph()
+    assert capsys.readouterr().out == str(t) + "\n"
+
+    main = "Tips for sleep.\n1. dark room\n2. no screens\nTip 1: keep it dark\nTip 2: read it\nIn short: ok\n"
+    subs = ["Expand: dark room\n keep it dark\n", "Expand: no screens\n read it\n"]
+    backend = ScriptedBackend(main, *subs)
+    sgl.set_default_backend(backend)  # interpreter mode runs the called program on the default backend
+    try:
+        interpreted = tips.run(topic="sleep")
+        assert interpreted.error() is None and interpreted["summary"] == " ok"
+        state = compiled.run(topic="sleep", backend=backend)
+        assert state.error() is None and state.text() == interpreted.text() == main[:-1]
+    finally:
+        sgl.global_config.default_backend = None
+
+    @sgl.function
+    def calls_with_defaults(s):
+        s += expand(tip="x", temperature=0)["detailed_tip"]
+
+    with pytest.raises(
+        UntraceableError, match=r"expand\(temperature=...\): a program called inside a traced"
+    ):
+        calls_with_defaults.compile()
 
 
 def test_compiled_arguments_are_checked_before_any_call():

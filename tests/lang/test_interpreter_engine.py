@@ -189,11 +189,23 @@ def test_program_errors_are_clear(backend):
         missing.run()
     with pytest.raises(ValueError, match="run: temperature must be a number >= 0"):
         missing.run(temperature=-1)
-    with pytest.raises(ValueError, match="needs a backend with API speculative execution"):
-        sgl.function(num_api_spec_tokens=64)(lambda s: None).run()
 
     @sgl.function
     def too_long(s):
         s += "x" + sgl.gen("a", max_tokens=10**7)
 
     assert too_long.run().error() is not None  # refused by the runtime, reported on the state
+
+
+def test_api_speculation_on_the_engine(backend):
+    """As SGLang's completion-style speculation on a native backend: one wide call, the gens cut from it."""
+
+    @sgl.function(num_api_spec_tokens=24)
+    def character(s):
+        s += "Name: Marie Curie\nJob: chemist\n\nName: Alan Turing\nJob:" + sgl.gen("job", stop="\n")
+        s += "\n\nName:" + sgl.gen("name", stop="\n")
+
+    state = character.run(temperature=0, max_new_tokens=16)
+    assert state.error() is None, state.error()
+    assert state.get_meta_info("job")["api_speculative"] == "call" and state["job"].strip()
+    assert state.text().endswith("\n\nName:" + state["name"])

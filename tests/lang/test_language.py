@@ -3,7 +3,10 @@ and the shared prefix that run_batch caches."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from scripted_backend import ScriptedBackend
 
 import sglbus as sgl
 from sglbus.lang import ir
@@ -57,8 +60,9 @@ def test_gen_argument_errors(kwargs, message):
 def test_select_argument_errors():
     with pytest.raises(ValueError, match="choices must be a non-empty list"):
         sgl.select("x", choices=[])
-    with pytest.raises(ValueError, match="every choice must be a non-empty string"):
-        sgl.select("x", choices=["a", ""])
+    with pytest.raises(ValueError, match="every choice must be a string"):
+        sgl.select("x", choices=["a", 3])
+    assert sgl.select("x", ["", " yes"]).choices == ["", " yes"]  # an empty choice appends nothing (SGLang)
     with pytest.raises(ValueError, match="temperature must be 0"):
         sgl.select("x", choices=["a"], temperature=0.5)
     with pytest.raises(ValueError, match="choices_method must be sgl.token_length_normalized, sgl.greedy"):
@@ -94,7 +98,7 @@ def test_function_checks():
         f.bind(c=1)
     assert f.bind(b=2).bind_arguments == {"b": 2}
     with pytest.raises(ValueError, match="no backend: pass backend=... or call sgl.set_default_backend"):
-        sgl.lang.backends.base._default[0] = None
+        sgl.global_config.default_backend = None
         f.run(a="x")
     with pytest.raises(TypeError, match="a backend must be sgl.RuntimeEndpoint"):
         f.run(a="x", backend="http://localhost:30000")
@@ -117,3 +121,85 @@ def test_the_lazy_names_of_sglbus_are_the_names_of_sglbus_lang():
 
     assert list(sglbus._LANG) == list(sglbus.lang.__all__)
     assert all(getattr(sglbus, name) is getattr(sglbus.lang, name) for name in sglbus._LANG)
+
+
+def test_regex_patterns_are_sglangs_and_exported_where_sglang_has_them():
+    from sglbus.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+    assert (REGEX_INT, REGEX_FLOAT, REGEX_BOOL, REGEX_STR) == (
+        r"[-+]?[0-9]+[ \n]*", r"[-+]?[0-9]*\.?[0-9]+[ \n]*", r"(True|False)", r"\"[\w\d\s]*\"",
+    )  # fmt: skip
+    assert DTYPE_REGEX == {"int": REGEX_INT, "float": REGEX_FLOAT, "bool": REGEX_BOOL, "str": REGEX_STR}
+
+
+def test_an_invalid_regex_is_re_error_as_in_sglang_and_still_a_value_error():
+    for kwargs in ({"regex": "("}, {"stop_regex": ["ok", "[a-"]}):
+        with pytest.raises(re.error, match="not a valid regular expression") as info:
+            sgl.gen("x", **kwargs)
+        assert isinstance(info.value, ValueError) and info.value.pos is not None
+
+
+def test_gen_int_and_gen_string_take_sglangs_positional_order():
+    # (name, max_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, ...)
+    p = sgl.gen_int("x", 8, 2, "\n", [7], None, 0.5, 0.9, 5).params
+    assert (p.max_new_tokens, p.n, p.stop, p.stop_token_ids, p.temperature, p.top_p, p.top_k, p.dtype) == (
+        8, 2, "\n", [7], 0.5, 0.9, 5, "int",
+    )  # fmt: skip
+    q = sgl.gen_string("y", 8, 1, "\n", min_tokens=2).params
+    assert (q.n, q.stop, q.min_new_tokens, q.dtype) == (1, "\n", 2, "str")
+    with pytest.raises(TypeError, match="gen_string: 'json_schema' cannot be set here"):
+        sgl.gen_string("y", json_schema={})
+    with pytest.raises(TypeError, match="gen_int: unknown parameter 'max_token'.*did you mean 'max_tokens'"):
+        sgl.gen_int("y", max_token=3)
+
+
+def test_sglangs_api_module_names():
+    import sglbus.lang.api as api
+    from sglbus.engine import Engine
+
+    assert (
+        api.set_default_backend is sgl.set_default_backend
+        and api.get_default_backend is sgl.get_default_backend
+    )
+    assert api.Runtime is sgl.Runtime and api.Engine is Engine and api.video is sgl.video
+    assert api.global_config is sgl.global_config and sgl.lang.global_config is sgl.global_config
+    assert set(api.__all__) <= {*dir(api), "Engine"}
+
+
+def test_global_config_is_where_the_default_backend_lives():
+    backend = ScriptedBackend()
+    sgl.set_default_backend(backend)
+    assert sgl.global_config.default_backend is backend and sgl.get_default_backend() is backend
+
+    class Launched:  # what SGLang's Runtime is to set_default_backend: an object with an endpoint
+        endpoint = ScriptedBackend()
+
+    sgl.set_default_backend(Launched())
+    assert sgl.global_config.default_backend is Launched.endpoint
+    sgl.global_config.default_backend = backend  # assigned directly, as SGLang's programs may
+    assert sgl.get_default_backend() is backend
+    sgl.global_config.default_backend = None
+    assert sgl.get_default_backend() is None
+
+
+def test_flush_cache_and_server_info_without_a_backend_as_sglang():
+    sgl.global_config.default_backend = None
+    assert sgl.flush_cache() is False and sgl.flush_cache(empty_cache=False) is False
+    assert sgl.get_server_info() is None
+    backend = ScriptedBackend()
+    sgl.set_default_backend(backend)
+    try:
+        assert sgl.flush_cache(empty_cache=False) is True and backend.flushed == [False]
+        assert sgl.flush_cache(backend) is True and backend.flushed == [False, True]
+        assert sgl.get_server_info() == {"model_path": "scripted"}
+    finally:
+        sgl.global_config.default_backend = None
+
+
+def test_native_requests_follow_the_global_detokenizer_options():
+    assert generate_request("x", SamplingParams())["sampling_params"]["skip_special_tokens"] is True
+    sgl.global_config.skip_special_tokens_in_output = False
+    try:
+        assert generate_request("x", SamplingParams())["sampling_params"]["skip_special_tokens"] is False
+    finally:
+        sgl.global_config.skip_special_tokens_in_output = True

@@ -11,16 +11,22 @@ import sys
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglbus.lang.chat import ChatTemplate
 from sglbus.lang.choices import ChoiceDecision, ChoiceMethod
+from sglbus.lang.global_config import global_config
 from sglbus.lang.params import SamplingParams
+
+if TYPE_CHECKING:
+    from sglbus.lang.speculation import Speculation
 
 
 class Backend(ABC):
-    # API speculative execution (`@sgl.function(num_api_spec_tokens=...)`) is for chat-only APIs
-    supports_api_speculative_execution = False
+    # API speculative execution (`@sgl.function(num_api_spec_tokens=...)`) only needs `generate`: a
+    # completion-style backend speculates on continued text, a chat one (sgl.OpenAI) per assistant turn.
+    # A backend that sets this False has programs with num_api_spec_tokens run without speculation.
+    supports_api_speculative_execution = True
 
     @abstractmethod
     def generate(self, prompt: str, params: SamplingParams) -> tuple[str | list[str], Any]:
@@ -55,11 +61,19 @@ class Backend(ABC):
     def get_model_info(self) -> dict[str, Any]:
         """At least model_path and has_image_understanding."""
 
+    def speculation(self, num_tokens: int) -> Speculation:
+        """The per-state matcher of `@sgl.function(num_api_spec_tokens=...)`."""
+        from sglbus.lang.speculation import Speculation
+
+        return Speculation(self, num_tokens)
+
     def cache_prefix(self, prefix: str) -> None:  # noqa: B027 (a hint: doing nothing is a valid answer)
         """A hint that several calls will start with prefix (before a fork, before a batch). A backend
         without a prefix cache has nothing to do with it."""
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self, empty_cache: bool = True) -> bool:
+        """Empty the prefix cache. empty_cache: SGLang's server also releases the freed GPU memory
+        then; a backend without such a step ignores it."""
         raise NotImplementedError(f"{type(self).__name__} has no cache to flush")
 
     def get_server_info(self) -> dict[str, Any]:
@@ -76,27 +90,32 @@ class Backend(ABC):
         raise ValueError(f"{kind}: {type(self).__name__} cannot send {kind}s to the model yet")
 
 
-_default: list[Backend | None] = [None]
 _engine_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
 
 
 def set_default_backend(backend: Any) -> None:
-    """The backend programs use when run() is given none: a Backend, or an `sglbus.Engine`."""
-    _default[0] = resolve_backend(backend)
+    """The backend programs use when run() is given none: a Backend, an `sglbus.Engine` or an
+    `sgl.Runtime`. Kept in `sgl.global_config.default_backend`."""
+    global_config.default_backend = resolve_backend(backend)
 
 
 def get_default_backend() -> Backend | None:
-    return _default[0]
+    if global_config.default_backend is None:
+        return None
+    return resolve_backend(global_config.default_backend)
 
 
 def resolve_backend(backend: Any) -> Backend:
-    """backend as a Backend: itself, an Engine wrapped, or the default one."""
+    """backend as a Backend: itself, an Engine wrapped, a Runtime's endpoint, or the default one."""
     if backend is None:
-        if _default[0] is None:
+        backend = global_config.default_backend
+        if backend is None:
             raise ValueError("no backend: pass backend=... or call sgl.set_default_backend(...) first")
-        return _default[0]
     if isinstance(backend, Backend):
         return backend
+    endpoint = getattr(backend, "endpoint", None)  # sgl.Runtime: SGLang's programs pass it as a backend
+    if isinstance(endpoint, Backend):
+        return endpoint
     engine_module = sys.modules.get("sglbus.engine")  # only loaded (with torch) if an Engine exists
     if engine_module is not None and isinstance(backend, engine_module.Engine):
         from sglbus.lang.backends.engine import EngineBackend
@@ -105,6 +124,6 @@ def resolve_backend(backend: Any) -> Backend:
             _engine_backends[backend] = EngineBackend(backend)
         return _engine_backends[backend]
     raise TypeError(
-        f"a backend must be sgl.RuntimeEndpoint(url), sgl.Engine(...) or another sglbus.lang Backend, "
-        f"got {type(backend).__name__}"
+        f"a backend must be sgl.RuntimeEndpoint(url), sgl.Engine(...), sgl.Runtime(...) or another "
+        f"sglbus.lang Backend, got {type(backend).__name__}"
     )

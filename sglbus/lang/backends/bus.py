@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from sglbus.lang.backends.native import NativeBackend
-from sglbus.lang.chat import ChatTemplate, get_chat_template, template_for_model, template_from_folder
+from sglbus.lang.chat import ChatTemplate, template_from_folder
+from sglbus.lang.chat_template import get_chat_template, template_for_model
 
 TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 10.0

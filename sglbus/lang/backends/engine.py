@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from sglbus.lang.backends.native import NativeBackend
-from sglbus.lang.chat import ChatTemplate, from_jinja, get_chat_template, template_for_model
+from sglbus.lang.chat import ChatTemplate, from_jinja
+from sglbus.lang.chat_template import get_chat_template, template_for_model
 
 
 class EngineBackend(NativeBackend):
@@ -44,7 +45,8 @@ class EngineBackend(NativeBackend):
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self, empty_cache: bool = True) -> bool:
+        """False while requests run. empty_cache: nothing to release (the KV pool is allocated once)."""
         return self.engine.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:

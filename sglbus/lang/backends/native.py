@@ -13,6 +13,7 @@ from typing import Any
 
 from sglbus.lang.backends.base import Backend
 from sglbus.lang.choices import ChoiceDecision, ChoiceMethod, mean_logprob, trim_prompt_token
+from sglbus.lang.global_config import global_config
 from sglbus.lang.params import DTYPE_REGEX, DTYPE_STOPS, SamplingParams
 
 _SAMPLING = ("max_new_tokens", "min_new_tokens", "n", "stop_token_ids", "stop_regex", "temperature", "top_p",
@@ -24,7 +25,10 @@ _LOGPROBS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_
 def generate_request(prompt: str, params: SamplingParams, stream: bool = False) -> dict[str, Any]:
     """The `/generate` body of one gen: dtype becomes its regex (numbers also stop at a space or a
     newline); empty lists and unset values are left out."""
-    sampling: dict[str, Any] = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
+    sampling: dict[str, Any] = {
+        "skip_special_tokens": global_config.skip_special_tokens_in_output,
+        "spaces_between_special_tokens": global_config.spaces_between_special_tokens_in_out,
+    }
     for name in _SAMPLING:
         value = getattr(params, name)
         if value is not None and value != []:

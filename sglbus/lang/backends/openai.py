@@ -11,7 +11,7 @@ a turn like `"Name:" + gen("name", stop="\\n") + "\\nJob:" + gen("job")` would n
 each paying for the whole prompt again. With `@sgl.function(num_api_spec_tokens=N)` the turn's first
 gen asks for max(N, its max_tokens) tokens without stop strings, and the program's own text and later
 gens are matched against that speculated reply (`sglbus/lang/speculation.py`). Every call is counted
-in `usage`.
+in `usage` (SGLang's `token_usage`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from sglbus.lang.backends.base import Backend
-from sglbus.lang.chat import ChatTemplate, get_chat_template, template_for_model
+from sglbus.lang.chat import ChatTemplate
+from sglbus.lang.chat_template import get_chat_template, template_for_model
 from sglbus.lang.choices import ChoiceDecision, ChoiceMethod, Row, mean_logprob, trim_prompt_token
 from sglbus.lang.interpreter import ChatPrompt
 from sglbus.lang.params import DTYPE_REGEX, DTYPE_STOPS, SamplingParams
@@ -34,12 +35,29 @@ COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
 
 
 @dataclasses.dataclass
-class Usage:
-    """What the backend's calls cost, as the API reported it."""
+class TokenUsage:
+    """What the backend's calls cost, as the API reported it: `backend.usage`, also under SGLang's name
+    `backend.token_usage` (the same object). Counted from the threads of run_batch under its lock."""
 
     calls: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False,
+                                              compare=False)  # fmt: skip
+
+    def add(self, calls: int, usage: Any) -> None:
+        with self._lock:
+            self.calls += calls
+            if usage is not None:
+                self.prompt_tokens += usage.prompt_tokens
+                self.completion_tokens += usage.completion_tokens
+
+    def reset(self) -> TokenUsage:
+        """Back to zero (SGLang's `token_usage.reset()`); returns the counts before, as a copy."""
+        with self._lock:
+            before = dataclasses.replace(self)
+            self.calls = self.prompt_tokens = self.completion_tokens = 0
+        return before
 
 
 class OpenAI(Backend):
@@ -67,8 +85,7 @@ class OpenAI(Backend):
         if isinstance(max_spec_tries, bool) or not isinstance(max_spec_tries, int) or max_spec_tries < 1:
             raise ValueError(f"OpenAI: max_spec_tries must be an integer >= 1, got {max_spec_tries!r}")
         self.max_spec_tries = max_spec_tries
-        self.usage = Usage()
-        self._usage_lock = threading.Lock()  # run_batch calls from many threads
+        self.usage = TokenUsage()  # one counter for the backend's life: reset() clears it in place
 
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
@@ -76,11 +93,14 @@ class OpenAI(Backend):
     def get_model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_name, "is_generation": True, "has_image_understanding": False}
 
-    def reset_usage(self) -> Usage:
-        """The usage so far, and the counter back at zero."""
-        with self._usage_lock:
-            usage, self.usage = self.usage, Usage()
-        return usage
+    @property
+    def token_usage(self) -> TokenUsage:
+        """SGLang's name for `usage`."""
+        return self.usage
+
+    def reset_usage(self) -> TokenUsage:
+        """The usage so far (a copy), and the counter back at zero."""
+        return self.usage.reset()
 
     def speculation(self, num_tokens: int) -> Speculation:
         """The per-state matcher of `@sgl.function(num_api_spec_tokens=...)`."""
@@ -136,11 +156,7 @@ class OpenAI(Backend):
         return ret
 
     def _count(self, calls: int, usage: Any) -> None:
-        with self._usage_lock:
-            self.usage.calls += calls
-            if usage is not None:
-                self.usage.prompt_tokens += usage.prompt_tokens
-                self.usage.completion_tokens += usage.completion_tokens
+        self.usage.add(calls, usage)
 
     def _text(self, choice: Any) -> str:
         return (choice.message.content if self.is_chat_model else choice.text) or ""

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from sglbus.lang.backends.native import NativeBackend
-from sglbus.lang.chat import ChatTemplate, get_chat_template, template_for_model, template_from_folder
+from sglbus.lang.chat import ChatTemplate, template_from_folder
+from sglbus.lang.chat_template import get_chat_template, template_for_model
 
 TIMEOUT_S = 600.0
 
@@ -22,9 +23,9 @@ TIMEOUT_S = 600.0
 class RuntimeEndpoint(NativeBackend):
     def __init__(self, base_url: str, api_key: str | None = None, verify: str | bool | None = None,
                  chat_template_name: str | None = None) -> None:  # fmt: skip
-        """chat_template_name: a named template (`chatml`, `llama-3-instruct`, `default`); without it
-        the model's own template when its tokenizer folder is readable here, else one picked by the
-        model's name."""
+        """chat_template_name: a named template (sglbus.lang.chat_template: `chatml`, `llama-3-instruct`,
+        `llama-2-chat`, ...); without it the model's own template when its tokenizer folder is readable
+        here, else one picked by the model's name."""
         self.base_url = base_url.rstrip("/")
         self.api_key, self.verify = api_key, verify
         self.model_info = self._json("GET", "/get_model_info")
@@ -45,9 +46,11 @@ class RuntimeEndpoint(NativeBackend):
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
 
-    def flush_cache(self) -> bool:
-        """True once the server emptied its cache (it answers with plain text)."""
-        with self._open("POST", "/flush_cache") as resp:
+    def flush_cache(self, empty_cache: bool = True) -> bool:
+        """True once the server emptied its cache (it answers with plain text). empty_cache goes in the
+        body, as SGLang's client sends it (SGLang's server then releases freed GPU memory; ours
+        ignores it)."""
+        with self._open("POST", "/flush_cache", {"empty_cache": empty_cache}) as resp:
             resp.read()
         return True
 
