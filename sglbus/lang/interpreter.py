@@ -314,3 +314,12 @@ class StreamExecutor:
         self.role = None
         self._append(self.chat_template.prefix_and_suffix(role, self.messages_)[1])
         self.messages_.append({"role": role, "content": content})
+
+
+def __getattr__(name: str) -> Any:
+    """`from sglang.lang.interpreter import ProgramState`, as sglbus (state.py imports this module)."""
+    if name == "ProgramState":
+        from sglbus.lang.state import ProgramState
+
+        return ProgramState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -121,3 +121,12 @@ def produced_name(x: Expr) -> str | None:
     if isinstance(x, VarScopeEnd):
         return x.name
     return None
+
+
+def __getattr__(name: str) -> Any:
+    """`from sglang.lang.ir import SglFunction`, as sglbus (function.py imports this module)."""
+    if name == "SglFunction":
+        from sglbus.lang.function import Function
+
+        return Function
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -203,3 +203,18 @@ def test_native_requests_follow_the_global_detokenizer_options():
         assert generate_request("x", SamplingParams())["sampling_params"]["skip_special_tokens"] is False
     finally:
         sgl.global_config.skip_special_tokens_in_output = True
+
+
+def test_sglang_module_paths_resolve_with_the_package_name_changed():
+    """Imports written for SGLang's frontend modules, with `sglang` changed to `sglbus`."""
+    from sglbus.lang.backend.base_backend import BaseBackend
+    from sglbus.lang.backend.openai import OpenAI
+    from sglbus.lang.backend.runtime_endpoint import RuntimeEndpoint
+    from sglbus.lang.interpreter import ProgramState
+    from sglbus.lang.ir import SglFunction
+
+    assert (ProgramState, SglFunction, RuntimeEndpoint, OpenAI) == (
+        sgl.ProgramState, sgl.Function, sgl.RuntimeEndpoint, sgl.OpenAI)  # fmt: skip
+    assert issubclass(RuntimeEndpoint, BaseBackend)
+    with pytest.raises(ImportError):
+        from sglbus.lang.ir import NoSuchThing  # noqa: F401
