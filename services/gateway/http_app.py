@@ -22,7 +22,8 @@ from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, parse_generate_input
 from services.gateway.http_util import json_response, read_json, wait_or_disconnect
 from services.gateway.metrics import metrics_route
-from services.gateway.openai_api import openai_routes
+from services.gateway.openai_api import openai_error, openai_routes
+from services.gateway.openai_errors import OpenAIError
 from services.gateway.service import Gateway
 from shared.finish import Abort
 from shared.transport import BusUnavailable
@@ -152,8 +153,19 @@ def build_app(gw: Gateway) -> Starlette:
         }  # fmt: skip
         return json_response({"object": "list", "data": [card]})
 
+    async def retrieve_model(request: Request) -> Response:
+        """OpenAI's `GET /v1/models/{model}` (`client.models.retrieve`): the card, or its 404."""
+        name = request.path_params["model"]
+        if name not in gw.openai.models():
+            message = f"The model `{name}` does not exist; this server serves {gw.served_model_name!r}"
+            return openai_error(OpenAIError(message, "model", 404, code="model_not_found"))
+        card = {"id": name, "object": "model", "created": int(gw.started), "owned_by": "sglbus",
+                "root": gw.model_path, "max_model_len": gw.requests.context_len}  # fmt: skip
+        return json_response(card)
+
     routes = [
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),

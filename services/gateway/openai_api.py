@@ -45,6 +45,8 @@ def openai_routes(gw: Gateway) -> list[Route]:
             sub = await serving.submit(kind, await body_of(request))
         except OpenAIError as e:
             return openai_error(e)
+        except ValueError as e:  # a check below the OpenAI layer's own: still the request's fault
+            return openai_error(OpenAIError(str(e)))
         if sub.req.stream:
             return StreamingResponse(_sse(serving, sub), media_type="text/event-stream")
         try:

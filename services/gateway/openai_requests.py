@@ -10,6 +10,7 @@ the result and cannot be honoured (suffix, best_of > n, audio, ...) are refused 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,15 @@ _COMMON = (
     "metadata",
     "store",
     "service_tier",
+    "safety_identifier",  # OpenAI's request metadata: accepted and not used, as `user`
+    "prompt_cache_key",  # the radix cache needs no key
+    # SGLang's request fields that change nothing here at these values (refused otherwise, _REFUSED)
+    "separate_reasoning",
+    "stream_reasoning",
+    "chat_template_kwargs",
+    "return_hidden_states",
+    "lora_path",
+    "session_params",
 )
 _COMPLETION = (*_COMMON, "logprobs", "echo", "suffix", "best_of")
 _CHAT = (
@@ -54,6 +64,7 @@ _CHAT = (
     "reasoning_effort",
     "web_search_options",
     "continue_final_message",
+    "verbosity",  # for reasoning models' answers; accepted and not used
 )
 # SGLang's extra body fields: the sampling parameter each sets
 _EXTRA_SAMPLING = {
@@ -80,6 +91,10 @@ _REFUSED = {
     "prediction": None,
     "web_search_options": None,
     "continue_final_message": False,
+    "chat_template_kwargs": {},
+    "return_hidden_states": False,
+    "lora_path": None,
+    "session_params": None,
 }
 MAX_N = 128
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -269,8 +284,8 @@ def _logit_bias(bias: Any) -> dict[str, float]:
         raise OpenAIError("logit_bias must be an object mapping token ids to biases", "logit_bias")
     out = {}
     for k, v in bias.items():
-        if not str(k).lstrip("-").isdigit():
-            raise OpenAIError(f"logit_bias key {k!r} is not a token id", "logit_bias")
+        if not re.fullmatch(r"-?[0-9]{1,10}", str(k)):  # ASCII digits: isdigit() takes "²", int() not
+            raise OpenAIError(f"logit_bias key {str(k)[:40]!r} is not a token id", "logit_bias")
         if not isinstance(v, int | float) or isinstance(v, bool) or not -100 <= v <= 100:
             raise OpenAIError(
                 f"logit_bias[{k}] = {v!r} is invalid; allowed: numbers in [-100, 100]", "logit_bias"

@@ -77,7 +77,8 @@ def plan_tools(tools: Any, choice: Any) -> ToolPlan | None:
         return None
     if choice == "required":
         return ToolPlan(functions, "required", _schema(functions))
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise OpenAIError(
             'tool_choice must be "none", "auto", "required" or {"type": "function", '

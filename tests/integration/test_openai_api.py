@@ -191,10 +191,40 @@ def test_errors_have_openai_shape_and_status(oai, client):
         ({"prompt": "x", "bogus": 1}, "bogus"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "x", "logprobs": 9}, "logprobs"),
+        ({"prompt": "x", "logit_bias": {"--5": 1}}, "logit_bias"),  # these three were 500s
+        ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ):
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
+    tools = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+    r = client.post(
+        "/v1/chat/completions", json={**tools, "tool_choice": {"type": "function", "function": "f"}}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+
+
+def test_fields_that_change_nothing_here_are_accepted(client):
+    """OpenAI's metadata fields and SGLang's extra fields at values that change nothing (a client that
+    sends them must not be refused); SGLang's at values we cannot honour are refused by name."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    noop = {"safety_identifier": "u1", "prompt_cache_key": "k", "verbosity": "low",
+            "separate_reasoning": True, "stream_reasoning": True, "chat_template_kwargs": {},
+            "return_hidden_states": False, "lora_path": None, "session_params": None}  # fmt: skip
+    r = client.post("/v1/chat/completions", json={**chat, **noop})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={**chat, "lora_path": "adapter"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+
+
+def test_models_list_and_retrieve(oai):
+    name = oai.models.list().data[0].id
+    card = oai.models.retrieve(name)
+    assert card.id == name and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_tokenize_and_detokenize(client, tokenizer):
