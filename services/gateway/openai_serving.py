@@ -34,7 +34,13 @@ class OpenAIServing:
         self.tokenizer = requests.tokenizer
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat messages through the model's chat template, as token ids."""
+        """Chat messages through the model's chat template, as token ids; messages far too long for the
+        context are refused before (templating and tokenizing megabytes takes seconds)."""
+        chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        try:
+            self.requests.prompt_tokens.refuse_far_too_long(chars)
+        except ValueError as e:
+            raise OpenAIError(str(e), "messages") from None
         out = self.tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=True
         )
@@ -42,8 +48,8 @@ class OpenAIServing:
 
     async def submit(self, kind: str, body: Any) -> Submitted:
         """Checked and queued; OpenAIError when it cannot be (nothing was queued then)."""
-        if kind == "chat":
-            req = parse_chat(body, self.models(), self.render)
+        if kind == "chat":  # on the tokenizer's threads: the template and the tokenizer take a while
+            req = await self.requests.off_loop(parse_chat, body, self.models(), self.render)
         else:
             req = parse_completion(body, self.models())
         try:

@@ -24,7 +24,7 @@ class PromptTokens:
             check_vocabulary(p.input_ids, self.vocab_size)
             return p.input_ids
         assert p.text is not None
-        self._refuse_far_too_long(p.text)
+        self.refuse_far_too_long(len(p.text))
         ids = self.tokenizer.encode(p.text)
         if not ids:
             raise ValueError(f"text {p.text[:40]!r} has no tokens; send a prompt the tokenizer can encode")
@@ -40,16 +40,16 @@ class PromptTokens:
             out.append(text)
         return out
 
-    def _refuse_far_too_long(self, text: str) -> None:
-        """A text whose token count cannot fit the context is refused before tokenizing it (megabytes
-        take seconds): no token covers more than `max_token_chars` characters of it."""
+    def refuse_far_too_long(self, chars: int) -> None:
+        """A text of `chars` characters whose token count cannot fit the context is refused before
+        tokenizing it (megabytes take seconds): no token covers more than `max_token_chars` of them."""
         per_token = self.max_token_chars()
         if per_token is None or self.context_len is None:
             return
-        at_least = len(text) // per_token
+        at_least = chars // per_token
         if at_least >= self.context_len:
             raise ValueError(
-                f"the prompt has at least {at_least} tokens ({len(text)} characters); at most "
+                f"the prompt has at least {at_least} tokens ({chars} characters); at most "
                 f"{self.context_len - 1} fit the context length ({self.context_len})"
             )
 

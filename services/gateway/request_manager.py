@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -33,6 +33,8 @@ from shared.finish import Abort, describe
 from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
 from shared.transport import ACK, Message, Subjects, Subscription, Transport
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from services.gateway.metrics import GatewayMetrics
@@ -121,6 +123,10 @@ class RequestManager:
                 samples = [dataclasses.replace(s, logprob=shared) for s in samples]
             groups.append([warm, *samples])
         return [st for group in await self._publish(groups) for st in group[1:]]
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the tokenizer's threads, so the event loop keeps answering meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _checked_ids(self, p: Prompt) -> list[int]:
         """`_validate` on a thread for a long prompt, so the event loop keeps answering."""

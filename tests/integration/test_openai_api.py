@@ -198,6 +198,10 @@ def test_errors_have_openai_shape_and_status(oai, client):
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
+    # far too long for the context: refused before the template and the tokenizer see it
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 1_000_000}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "fit the context length" in r.json()["error"]["message"]
     tools = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
     r = client.post(
         "/v1/chat/completions", json={**tools, "tool_choice": {"type": "function", "function": "f"}}
