@@ -70,6 +70,7 @@ def completion_logprobs(meta: dict[str, Any], echo: bool, text_offset: int = 0) 
     tops += [None] * (len(rows) - len(tops))
     rows += meta.get("output_token_logprobs", [])
     tops += meta.get("output_top_logprobs", [])
+    tops += [[]] * (len(rows) - len(tops))  # logprobs=0: one (empty) entry per token, as OpenAI's
     offsets, at = [], text_offset
     for row in rows:
         offsets.append(at)

@@ -85,6 +85,10 @@ def test_completion_n_seed_stop_and_logprobs(oai):
         lp = c.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
         assert all(len(top) <= 2 for top in lp.top_logprobs) and "".join(lp.tokens) == c.text
+    zero = oai.completions.create(model="default", prompt=PROMPT, max_tokens=3, logprobs=0, echo=True)
+    lp = zero.choices[0].logprobs  # one entry per token; the echoed prompt's first has no logprob
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 3
+    assert lp.top_logprobs[0] is None and lp.top_logprobs[-3:] == [{}, {}, {}]
     same = oai.completions.create(
         model="default", prompt=["Hello", PROMPT], max_tokens=6, n=2, seed=7, temperature=0.9
     )
