@@ -248,7 +248,7 @@ def _sampling(obj: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     sp: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "temperature": _num_field(obj, "temperature", 0.0, 2.0, 1.0),
-        "top_p": _num_field(obj, "top_p", 0.0, 1.0, 1.0),
+        "top_p": _top_p(obj),
         "n": _int_field(obj, "n", 1, MAX_N, 1),
         "presence_penalty": _num_field(obj, "presence_penalty", -2.0, 2.0, 0.0),
         "frequency_penalty": _num_field(obj, "frequency_penalty", -2.0, 2.0, 0.0),
@@ -395,6 +395,16 @@ def _num_field(obj: dict[str, Any], key: str, lo: float, hi: float, default: flo
     if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
         raise OpenAIError(f"{key} = {v!r} is invalid; allowed: numbers in [{lo:g}, {hi:g}]", key)
     return float(v)
+
+
+def _top_p(obj: dict[str, Any]) -> float:
+    """(0, 1], as SGLang's sampling takes it (0 keeps no token)."""
+    v = _num_field(obj, "top_p", 0.0, 1.0, 1.0)
+    if v == 0.0:
+        raise OpenAIError(
+            "top_p = 0 is invalid; allowed: numbers in (0, 1] (use temperature 0 for greedy)", "top_p"
+        )
+    return v
 
 
 def _int_field(obj: dict[str, Any], key: str, lo: int, hi: int | None, default: int | None) -> Any:

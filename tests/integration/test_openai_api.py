@@ -195,6 +195,7 @@ def test_errors_have_openai_shape_and_status(oai, client):
         ({"prompt": "x", "bogus": 1}, "bogus"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "x", "logprobs": 9}, "logprobs"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "logit_bias": {"--5": 1}}, "logit_bias"),  # these three were 500s
         ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
