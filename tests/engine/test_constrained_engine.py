@@ -241,3 +241,71 @@ def test_a_slow_backend_start_does_not_count_as_compile_time(make_engine, monkey
     constrained, other = engine.generate(["Digits:", "z"], params)
     assert re.fullmatch("[0-9]{3}", constrained["text"]), constrained
     assert other["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+RECURSIVE = {
+    "type": "object",
+    "properties": {"a": {"$ref": "#"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+ENDLESS = [{"ebnf": 'root ::= "a" root'}, {"ebnf": 'root ::= "(" root ")"'},
+           {"json_schema": json.dumps(RECURSIVE)},
+           {"json_schema": json.dumps({"type": "array", "items": {"$ref": "#"}, "minItems": 1})},
+           {"ebnf": 'root ::= "a" | "b" x\nx ::= "c" x'}, {"regex": r"[^\s\S]"}]  # fmt: skip
+
+
+def test_a_grammar_that_accepts_no_finite_string_is_a_400_before_any_matcher(engine):
+    """Jump-forward on such a grammar looped forever (xgrammar allocated until the process was killed);
+    an empty regex left no token to sample (a 500). The gateway refuses them, and a scheduler given
+    one straight refuses it at compile. (return_logprob turns jump-forward off: without the check the
+    first four would decode "aaaa", not take the machine down.)"""
+    for grammar in ENDLESS:
+        with pytest.raises(ValueError, match="never ends|accepts no|admits no finite"):
+            engine.generate("x", {"max_new_tokens": 4, **grammar}, return_logprob=True)
+    bad = GenerateReq(rid="endless", input_ids=[1, 2], out_subject="sglbus.out.endless-test",
+                      sampling=SamplingParams(max_new_tokens=4, regex=r"[^\s\S]"))  # fmt: skip
+    with BusProbe(engine, bad.out_subject) as probe:
+        probe.send(bad)
+        out = probe.final()
+    reason = as_dict(out.finish)
+    assert reason["status_code"] == 400 and "the regex accepts no string" in reason["message"], reason
+
+
+def test_special_tokens_are_never_text_and_end_only_a_finished_grammar(engine):
+    """The end token <|im_end|> (2) was taken as ten characters of a regex, <|im_start|> (1) inside a
+    JSON string, <|endoftext|> (0) for a regex's characters: with a bias that makes each the likeliest
+    token, the outputs still follow their grammar and hold no special token."""
+    string = {"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 20}},
+              "required": ["s"], "additionalProperties": False}  # fmt: skip
+    params = [{"regex": "[^0-9]{12,40}", "logit_bias": {"2": 30.0}},
+              {"json_schema": json.dumps(string), "logit_bias": {"1": 30.0}},
+              {"regex": ".{13}", "logit_bias": {"0": 30.0}}]  # fmt: skip
+    outs = engine.generate(["Answer:"] * 3, [{"temperature": 0, "max_new_tokens": 64, **p} for p in params])
+    assert re.fullmatch("[^0-9]{12,40}", outs[0]["text"]), outs[0]
+    assert 5 <= len(json.loads(outs[1]["text"])["s"]) <= 20, outs[1]
+    assert re.fullmatch(".{13}", outs[2]["text"]), outs[2]
+    for o in outs:
+        assert not {0, 1} & set(o["output_ids"]) and o["meta_info"]["finish_reason"]["type"] == "stop", o
+
+
+def test_regexes_and_schemas_hold_as_a_client_validates_them(engine):
+    """Greedy outputs that broke their grammar as Python's `re` and a JSON-schema validator read it:
+    `.` took newlines, `\\x00` was read as U+000B, allOf and a $ref's siblings were ignored."""
+    both = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"type": "string", "maxLength": 4}}, "required": ["b"]},
+        ]
+    }
+    ref = {"$defs": {"s": {"type": "string"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/s",
+           "maxLength": 3}}, "required": ["a"], "additionalProperties": False}  # fmt: skip
+    grammars = [{"regex": r"x.{5}y"}, {"regex": r".{0,20}end"}, {"regex": r"a\x00b"},
+                {"json_schema": json.dumps(both)}, {"json_schema": json.dumps(ref)}]  # fmt: skip
+    outs = engine.generate(["Answer:"] * 3 + ["Here is the JSON object:\n"] * 2,
+                           [{"temperature": 0, "max_new_tokens": 64, **g} for g in grammars])  # fmt: skip
+    for g, o in zip(grammars[:3], outs, strict=False):
+        assert re.fullmatch(g["regex"], o["text"], re.ASCII), (g, o["text"])
+    obj = json.loads(outs[3]["text"])
+    assert isinstance(obj["a"], int) and len(obj["b"]) <= 4, obj
+    assert len(json.loads(outs[4]["text"])["a"]) <= 3, outs[4]["text"]

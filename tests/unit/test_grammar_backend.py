@@ -315,3 +315,152 @@ def test_batched_forced_done_and_retokenized_equal_one_by_one(setup):
     )  # part of a character: not retokenized
     assert backend.retokenize_all(seqs) == [backend.retokenize(s) for s in seqs]
     assert backend.retokenize_all(seqs)[-1] is None
+
+
+ENDLESS = [GrammarSpec("ebnf", 'root ::= "a" root'), GrammarSpec("ebnf", 'root ::= "(" root ")"'),
+           GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}},
+                                                  "required": ["a"], "additionalProperties": False})),
+           GrammarSpec("json_schema", json.dumps({"type": "array", "items": {"$ref": "#"}, "minItems": 1})),
+           GrammarSpec("ebnf", 'root ::= "a" | "b" x\nx ::= "c" x'),
+           GrammarSpec("regex", r"[^\s\S]")]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", ENDLESS, ids=lambda s: s.text[:24])
+def test_a_grammar_that_accepts_no_finite_string_fails_to_compile(setup, spec):
+    """Its jump-forward string is endless (xgrammar allocated until the process was killed; llguidance
+    gave up with a 500 and its parser's dump); an empty regex left no token to sample (a 500): a 400
+    at compile, before any matcher runs."""
+    with pytest.raises(GrammarError, match="never ends|accepts no|admits no finite") as e:
+        setup[0].compile(spec)
+    assert e.value.status_code == 400
+
+
+def special_ids(model_folder) -> list[int]:
+    with open(os.path.join(model_folder, "tokenizer.json"), encoding="utf-8") as f:
+        return [t["id"] for t in json.load(f)["added_tokens"] if t["special"]]
+
+
+def test_special_tokens_are_never_text(setup, model_folder):
+    """<|endoftext|>, <|im_start|>, <|im_end|> ... never come as text (xgrammar took them inside JSON
+    strings and for a regex's characters; the end token counted as the ten characters of its name),
+    and the end token comes only where the grammar may end."""
+    backend, tok, mc = setup
+    special, eos = special_ids(model_folder), mc.eos_token_ids[0]
+    assert eos in special and len(special) > 3
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    for spec, start in [(GrammarSpec("regex", "[^0-9]{12,40}"), "\n\n"),
+                        (GrammarSpec("regex", ".{13}"), "ab"),
+                        (GrammarSpec("json_schema", '{"type": "string"}'), '"x')]:  # fmt: skip
+        m = backend.compile(spec).matcher()
+        assert m.accept(enc(start)), m.error
+        assert not set(allowed(m, mc.vocab_size)) & set(special), spec
+        assert not m.accept([eos])
+    m = backend.compile(GrammarSpec("regex", "[^0-9]{2,40}")).matcher()
+    assert m.accept(enc("\n\n")) and eos in allowed(m, mc.vocab_size) and m.accept([eos]), m.error
+
+
+@pytest.mark.parametrize(("pattern", "good", "bad"), [
+    (r"x.{5}y", "x1234 y", "x\n\nThey"),  # xgrammar's "." took a newline
+    (r"a\x00b", "a\x00b", "a\x0b"),  # xgrammar read \x00b as U+000B
+    (r"a\sb", "a\tb", "a\u2003b"),  # xgrammar's \s took Unicode blanks
+    (r"a[^\s]b", "a\u2003b", "a b"),
+    (r"(?P<n>\d{2})-x", "12-x", "1-x"),  # xgrammar refused named groups
+])  # fmt: skip
+def test_regexes_mean_what_python_re_means(setup, pattern, good, bad):
+    backend, tok, _ = setup
+    assert re.fullmatch(pattern, good, re.ASCII) and not re.fullmatch(pattern, bad, re.ASCII)
+    m = backend.compile(GrammarSpec("regex", pattern)).matcher()
+    assert m.accept(tok.encode(good, add_special_tokens=False)) and m.done, m.error
+    m = backend.compile(GrammarSpec("regex", pattern)).matcher()
+    assert not m.accept(tok.encode(bad, add_special_tokens=False)) or not m.done
+
+
+def test_json_schema_patterns_mean_what_python_re_means(setup):
+    backend, tok, _ = setup
+    schema = {"type": "string", "pattern": r"^a\sb$"}
+    m = backend.compile(GrammarSpec("json_schema", json.dumps(schema))).matcher()
+    assert not m.accept(tok.encode('"a\u2003b"', add_special_tokens=False))
+    assert m.accept(tok.encode('"a b"', add_special_tokens=False)) and m.done, m.error
+
+
+def test_json_schema_true_is_any_value_and_false_a_400(setup):
+    backend, tok, _ = setup
+    m = backend.compile(GrammarSpec("json_schema", "true")).matcher()
+    assert m.accept(tok.encode("[1]", add_special_tokens=False)) and m.done, m.error
+    with pytest.raises(GrammarError, match="the schema false admits no value"):
+        backend.compile(GrammarSpec("json_schema", "false"))
+
+
+def test_a_multi_line_alternation_compiles(setup):
+    backend, tok, _ = setup
+    m = backend.compile(GrammarSpec("ebnf", 'root ::=\n    "a"\n    | "b"\n    | "c"')).matcher()
+    assert m.accept(tok.encode("b", add_special_tokens=False)) and m.done, m.error
+
+
+@pytest.fixture(scope="module")
+def xgrammar_setup(model_folder):
+    mc = ModelConfig.from_folder(model_folder)
+    backend = backend_class("xgrammar")(
+        os.path.join(model_folder, "tokenizer.json"), mc.vocab_size, mc.eos_token_ids
+    )
+    return backend, load_tokenizer(model_folder), mc
+
+
+def test_xgrammar_honours_schema_keywords_it_used_to_ignore(xgrammar_setup):
+    """allOf, keywords beside $ref, and siblings of anyOf were silently dropped: every output now
+    follows them (they are merged into one schema xgrammar honours)."""
+    backend, tok, mc = xgrammar_setup
+    schema = {"$defs": {"s": {"type": "string"}, "n": {"type": "integer"}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/s", "maxLength": 3},
+                             "b": {"$ref": "#/$defs/n", "minimum": 3, "maximum": 9},
+                             "c": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}],
+                                   "minLength": 2}},
+              "required": ["a", "b", "c"],
+              "allOf": [{"properties": {"d": {"type": "boolean"}}, "required": ["d"]}]}  # fmt: skip
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    for seed in range(6):
+        obj = json.loads(tok.decode(walk(compiled, mc.vocab_size, mc.eos_token_ids, seed, limit=400)))
+        assert len(obj["a"]) <= 3 and 3 <= obj["b"] <= 9 and (obj["c"] is None or len(obj["c"]) >= 2), obj
+        assert isinstance(obj["d"], bool), obj
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$", "maxLength": 3}}},
+     "maxLength beside pattern at /properties/s"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf at /"),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+                {"properties": {"b": {"type": "integer"}}}]}, "allOf at /"),
+])  # fmt: skip
+def test_xgrammar_refuses_schema_keywords_it_cannot_honour(xgrammar_setup, schema, where):
+    with pytest.raises(
+        GrammarError, match=re.escape(f"json_schema cannot be used: {where} is not supported")
+    ):
+        xgrammar_setup[0].compile(GrammarSpec("json_schema", json.dumps(schema)))
+
+
+def test_xgrammar_messages_are_its_own_without_the_log_prefix(xgrammar_setup):
+    for spec in (
+        GrammarSpec("regex", "(?i)hello"),
+        GrammarSpec("regex", "abc\\"),
+        GrammarSpec("ebnf", 'root: "a"'),
+    ):
+        with pytest.raises(GrammarError) as e:
+            xgrammar_setup[0].compile(spec)
+        message = str(e.value)
+        assert message.startswith(f"sampling_params.{spec.kind} is invalid: ") and ".cc:" not in message, (
+            message
+        )
+        assert not re.search(r"\[\d\d:\d\d:\d\d\]", message) and "\n" not in message, message
+
+
+def test_llguidance_giving_up_on_an_endless_grammar_is_a_short_400(model_folder):
+    """A Lark grammar that never ends gets past the finite check (it reads EBNF): llguidance's parser
+    gives up on its forced string, and the refusal says so in a line, as the grammar's fault."""
+    mc = ModelConfig.from_folder(model_folder)
+    backend = backend_class("llguidance")(os.path.join(model_folder, "tokenizer.json"), mc.vocab_size,
+                                          mc.eos_token_ids)  # fmt: skip
+    m = backend.compile(GrammarSpec("ebnf", '%llguidance {}\nstart: "a" start')).matcher()
+    assert not m.accept(m.forced())
+    assert m.error_status == 400 and "accepts no finite string" in m.error and "<state>" not in m.error, (
+        m.error
+    )

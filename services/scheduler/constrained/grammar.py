@@ -70,6 +70,12 @@ class Matcher(ABC):
     def error(self) -> str:
         """Why the matcher refused a token ('' when it did not)."""
 
+    @property
+    def error_status(self) -> int:
+        """The HTTP status of a request this matcher's `error` ends: 400 when the grammar is at fault
+        (one that never ends), 500 when the grammar machinery is."""
+        return 500
+
 
 def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | None = None) -> None:
     """Row rows[j] of `out` (row j without `rows`) gets matchers[j]'s mask, in one batched call when

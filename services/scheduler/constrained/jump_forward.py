@@ -74,8 +74,7 @@ class GrammarDecode:
         going = []
         for i, ((r, tok), took) in enumerate(zip(rows, self._accept_sampled(rows), strict=True)):
             if not took:
-                m = r.matcher
-                self._abort(r, f"the {r.grammar.kind} refused token {tok}: {m.error if m else ''}")  # type: ignore[union-attr]
+                self._refused(r, f"token {tok}")
                 continue
             r.output.append(tok)
             r.check_finished(tok, self.context_len)
@@ -117,9 +116,19 @@ class GrammarDecode:
         log.exception("constrained decoding failed for request %s", r.rid)
         self._abort(r, f"internal error in constrained decoding: {type(e).__name__}: {e}")
 
-    def _abort(self, r: Req, message: str) -> None:
+    def _refused(self, r: Req, what: str) -> None:
+        """r's matcher refused `what`: r ends, with a 400 when its grammar is at fault (one that never
+        ends), else a 500."""
+        m = r.matcher
+        try:
+            status = m.error_status if m is not None else 500
+        except Exception:
+            status = 500
+        self._abort(r, f"the {r.grammar.kind} refused {what}: {m.error if m else ''}", status)  # type: ignore[union-attr]
+
+    def _abort(self, r: Req, message: str, status: int = 500) -> None:
         if not isinstance(r.finish, Abort):
-            r.finish = Abort(message, 500)
+            r.finish = Abort(message, status)
             self.stats["request_failures"] += 1
 
     def _end_all_done(self, reqs: list[Req]) -> None:
@@ -158,8 +167,7 @@ class GrammarDecode:
                 back_then_forced = [*r.output[jump.keep :], *jump.forced]  # all or nothing, as one
                 good = self._guard(r, lambda r=r, ts=back_then_forced: r.matcher.accept(ts)) is True
             if not good:
-                m = r.matcher
-                self._abort(r, f"the {r.grammar.kind} refused its forced tokens: {m.error if m else ''}")  # type: ignore[union-attr]
+                self._refused(r, "its forced tokens")
                 continue
             self._replace(r, keep, tokens)
             keeps[i] = keep

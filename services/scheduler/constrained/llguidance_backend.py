@@ -4,7 +4,10 @@ Chosen over xgrammar for now because it has no dependencies to carry to the lent
 wheel; xgrammar needs apache-tvm-ffi, pydantic, transformers), its masks take ~30 us for a JSON
 schema on the default model here, and its fast-forward tokens come canonically tokenized
 (`compute_ff_tokens`), which jump-forward needs. A pristine matcher per grammar is cached; each
-request gets a deep copy (cheaper than building it again).
+request gets a deep copy (cheaper than building it again). A grammar that accepts no finite string is
+refused at compile (grammar_finite.py), as in the gateway; should one get past that (a Lark grammar, which
+the check does not read), llguidance's parser gives up on it ("Too many items"), and the request ends
+with a 400 that says so, without llguidance's parser dump.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from services.scheduler.constrained.grammar import (
     check_round_trip,
     tokenizer_text,
 )
+from shared.grammar_finite import never_ends
 from shared.grammar_text import grammar_text, one_line
 
 _EXECUTOR = None
+_GAVE_UP = "Too many items"  # llguidance's parser on an endless forced string (a grammar with no end)
 
 
 def _executor():
@@ -38,6 +43,10 @@ class LLGuidanceMatcher(Matcher):
     def __init__(self, m) -> None:  # an llguidance.LLMatcher
         self._m = m
         self._refused = ""
+
+    @property
+    def error_status(self) -> int:
+        return 400 if self._m.is_error() and _GAVE_UP in self._m.get_error() else 500
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
@@ -71,7 +80,13 @@ class LLGuidanceMatcher(Matcher):
 
     @property
     def error(self) -> str:
-        return self._m.get_error() if self._m.is_error() else self._refused
+        if not self._m.is_error():
+            return self._refused
+        error = self._m.get_error()
+        first = error.split("\n<state>")[0]  # the parser's state dump follows: not for a client
+        if _GAVE_UP in first:
+            return f"the grammar accepts no finite string here (llguidance: {one_line(first)[:200]})"
+        return one_line(first)[:500]
 
 
 class LLGuidanceGrammar(CompiledGrammar):
@@ -102,6 +117,9 @@ class LLGuidanceBackend(GrammarBackend):
             text = grammar_text(spec.kind, spec.text)
         except ValueError as e:
             raise GrammarError(str(e)) from None
+        why = never_ends(spec.kind, spec.text)
+        if why:
+            raise GrammarError(why)
         error = self._llg.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(error)}")

@@ -8,12 +8,20 @@ the model's tokenizer (`tokenizers`) and retokenized with the output's tail by j
 (xgrammar's own `find_jump_forward_tokens` stops short of a last token that could grow, which saved
 fewer forward passes on the JSON tests). Token bytes come from xgrammar's decoded vocabulary, so the
 retokenizer and the masks read the vocabulary alike.
+
+The tokenizer's special tokens (tokenizer.json's added tokens marked special: <|endoftext|>,
+<|im_start|>, <|im_end|>, ...) are given to xgrammar as special, never as text: otherwise a JSON
+string or a regex's `.` takes them, and an end token counts as the ten characters of its name. A
+request's regex is given as Python's `re` reads it (grammar_regex.py) and its JSON schema without the
+keywords xgrammar would silently ignore (grammar_schema.py: refused, or rewritten where that is plain);
+xgrammar's normalized grammar is then checked for rules that never end (grammar_finite.py) before it compiles.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -27,6 +35,9 @@ from services.scheduler.constrained.grammar import (
     check_round_trip,
     tokenizer_text,
 )
+from shared.grammar_finite import grammar_never_ends
+from shared.grammar_regex import python_regex
+from shared.grammar_schema import load_schema, xgrammar_schema
 from shared.grammar_text import KINDS
 
 _LENGTH_LIMITED_CHAR = r"[^\"\\\r\n]"  # one character of a string with maxLength, as xgrammar writes it
@@ -38,6 +49,7 @@ _ACCEPT_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 _ACCEPT_TOKENS = 32
 _accept_pool: ThreadPoolExecutor | None = None
 _ENCODE_CACHE = 1 << 16  # texts whose tokens are kept (forced strings, retokenized tails)
+_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: ")  # "[09:24:51] /project/cpp/x.cc:94: " in messages
 
 
 class XGrammarMatcher(Matcher):
@@ -172,14 +184,17 @@ class XGrammarBackend(GrammarBackend):
 
         self.xgr = xgrammar
         # the byte-level decoder made plain (see tokenizer_text), so xgrammar detects the vocabulary
-        self._tok = tokenizers.Tokenizer.from_str(tokenizer_text(tokenizer_json))
+        text = tokenizer_text(tokenizer_json)
+        self._tok = tokenizers.Tokenizer.from_str(text)
         hf = PreTrainedTokenizerFast(tokenizer_object=self._tok)
         known = [t for t in eos_ids if t < self._tok.get_vocab_size(with_added_tokens=True)]
         info = xgrammar.TokenizerInfo.from_huggingface(
             hf, vocab_size=vocab_size, stop_token_ids=known or None
         )
+        special = _special_ids(text)
+        info = _with_special_tokens(xgrammar, info, hf.get_vocab(), special, vocab_size)
         self._bytes = [b"" if t is None else t for t in info.decoded_vocab]
-        self._special = set(info.special_token_ids)
+        self._special = set(info.special_token_ids) | special | set(info.stop_token_ids)
         self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # GrammarCache caches
         self.batcher = xgrammar.BatchGrammarMatcher()
         self.vocab_size = vocab_size
@@ -206,28 +221,33 @@ class XGrammarBackend(GrammarBackend):
         return b"".join(self._bytes[t] if t < len(self._bytes) else b"" for t in tokens)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        c = self.compiler
+        """Prepared for xgrammar (ours: a 400 naming the field), parsed, its normalized grammar checked
+        for rules that never end (their jump-forward string is endless), compiled."""
+        if spec.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
         try:
-            if spec.kind == "regex":
-                compiled = c.compile_regex(spec.text)
-            elif spec.kind == "json_schema":
-                try:
-                    json.loads(spec.text)
-                except json.JSONDecodeError as e:
-                    raise GrammarError(f"sampling_params.json_schema is not JSON: {e}") from None
+            source = _source(spec)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
+        g = self.xgr.Grammar
+        parse = {"regex": g.from_regex, "ebnf": g.from_ebnf}.get(spec.kind)
+        try:
+            grammar = parse(source) if parse else g.from_json_schema(source, any_whitespace=False)
+            text = str(grammar)
+        except Exception as e:  # xgrammar's parse errors (RuntimeError)
+            raise GrammarError(f"sampling_params.{spec.kind} is invalid: {library_message(e)}") from None
+        why = grammar_never_ends(spec.kind, text)
+        if why:
+            raise GrammarError(why)
+        try:
+            if spec.kind == "json_schema":
                 # xgrammar 0.2.9 lets a string with maxLength hold raw control characters, which
                 # JSON forbids (json.loads refuses them): its grammar text, with them excluded
-                grammar = self.xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
-                compiled = c.compile_grammar(str(grammar).replace(_LENGTH_LIMITED_CHAR, _JSON_CHAR))
-            elif spec.kind == "ebnf":
-                compiled = c.compile_grammar(spec.text)
+                compiled = self.compiler.compile_grammar(text.replace(_LENGTH_LIMITED_CHAR, _JSON_CHAR))
             else:
-                raise GrammarError(f"unknown grammar kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
-        except GrammarError:
-            raise
-        except Exception as e:  # xgrammar's parse errors (RuntimeError, ValueError)
-            message = " ".join(str(e).split())[:500]
-            raise GrammarError(f"sampling_params.{spec.kind} is invalid: {message}") from None
+                compiled = self.compiler.compile_grammar(grammar)
+        except Exception as e:
+            raise GrammarError(f"sampling_params.{spec.kind} is invalid: {library_message(e)}") from None
         return XGrammarGrammar(compiled, self)
 
     def retokenize(self, tokens: list[int]) -> list[int] | None:
@@ -251,3 +271,46 @@ class XGrammarBackend(GrammarBackend):
             new = next(encoded) if data is not None else None
             out.append(new if new is not None and self.decode_bytes(new) == data else None)
         return out
+
+
+def _source(spec: GrammarSpec) -> str:
+    """What xgrammar is given for the request's grammar: a regex as Python reads it, a JSON schema
+    without the keywords xgrammar would ignore; ValueError naming the field."""
+    if spec.kind == "regex":
+        return python_regex(spec.text).text
+    if spec.kind == "json_schema":
+        return json.dumps(xgrammar_schema(load_schema(spec.text)))
+    return spec.text
+
+
+def library_message(e: Exception) -> str:
+    """xgrammar's message on one line, without the C++ log prefix ("[09:24:51] /project/cpp/x.cc:94: ")."""
+    return " ".join(_LOG_PREFIX.sub("", str(e)).split())[:500]
+
+
+def _special_ids(tokenizer_json: str) -> set[int]:
+    """The ids of tokenizer.json's added tokens marked special."""
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    return {t["id"] for t in added if t.get("special") and isinstance(t.get("id"), int)}
+
+
+def _with_special_tokens(xgrammar, info, vocab: dict[str, int], special: set[int], vocab_size: int):
+    """`info` with the special tokens known as such: xgrammar takes a token whose text is empty for a
+    special one (never allowed as text), and from_huggingface keeps the text of every token, so the
+    vocabulary is given again with those blanked. A stop token is blanked too: xgrammar also matches
+    a stop token's text (an end token was taken as the ten characters "<|im_end|>" of a regex), and
+    it still allows it, as a stop token, where the grammar may end."""
+    blank = special | set(info.stop_token_ids)
+    if not blank:
+        return info
+    encoded = [""] * vocab_size
+    for token, idx in vocab.items():
+        if idx < vocab_size and idx not in blank:
+            encoded[idx] = token
+    return xgrammar.TokenizerInfo(
+        encoded,
+        info.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=list(info.stop_token_ids),
+        add_prefix_space=info.add_prefix_space,
+    )
