@@ -26,6 +26,8 @@ import json
 import re
 from typing import Any
 
+from shared.grammar_schema import pointer
+
 _TOKEN = re.compile(
     r"""(?P<space>\s+|\#[^\n]*)
     |(?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
@@ -307,7 +309,7 @@ class _SchemaCheck:
         while changed:
             changed = False
             for p in pointers:
-                if not self.ok[p] and self._sat(_resolve(self.root, p), 0):
+                if not self.ok[p] and self._sat(pointer(self.root, p), 0):
                     self.ok[p] = changed = True
         if not self._sat(self.root, 0):
             return "sampling_params.json_schema is invalid: the schema admits no finite JSON value"
@@ -326,7 +328,7 @@ class _SchemaCheck:
             if isinstance(node, dict):
                 ref = node.get("$ref")
                 if isinstance(ref, str) and ref.startswith("#") and ref not in found:
-                    target = _resolve(self.root, ref)
+                    target = pointer(self.root, ref)
                     if target is not None:
                         found[ref] = None
                         work.append(target)
@@ -367,24 +369,6 @@ class _SchemaCheck:
                 if not self._sat(prefix[i] if i < len(prefix) else items, depth + 1):
                     return False
         return True
-
-
-def _resolve(root: Any, ref: str) -> Any:
-    """The subschema a local $ref ("#", "#/$defs/x") points at, or None."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def never_ends(kind: str, text: str) -> str | None:

@@ -119,7 +119,7 @@ class _Rewrite:
         """{"$ref": R, ...rest}: R's schema (without its $defs) with rest merged in, R's own $ref folded
         too; _Refused when R is not a local schema, is already being inlined, or does not merge."""
         ref = s["$ref"]
-        target = _pointer(self.root, ref) if isinstance(ref, str) else None
+        target = pointer(self.root, ref) if isinstance(ref, str) else None
         if target is True:
             target = {}
         if not isinstance(target, dict) or ref in chain:
@@ -361,7 +361,8 @@ _VALUE_CHECKS = {
 }
 
 
-def _pointer(root: Any, ref: str) -> Any:
+def pointer(root: Any, ref: str) -> Any:
+    """The subschema a local $ref ("#", "#/$defs/x") points at, or None."""
     if ref == "#":
         return root
     if not ref.startswith("#/"):
