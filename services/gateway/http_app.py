@@ -179,7 +179,14 @@ def build_app(gw: Gateway) -> Starlette:
         *openai_routes(gw),
     ]
     auth = [Middleware(ApiKeyAuth, api_key=gw.cfg.api_key)] if gw.cfg.api_key else []
-    return Starlette(routes=routes, middleware=auth)
+
+    async def no_route(request: Request, exc: Exception) -> Response:
+        """An unknown path or method: JSON in OpenAI's error shape, as every other error here."""
+        status = getattr(exc, "status_code", 404)
+        what = "path" if status == 404 else f"method {request.method} for"
+        return openai_error(OpenAIError(f"no {what} {request.url.path} on this server", None, status))
+
+    return Starlette(routes=routes, middleware=auth, exception_handlers={404: no_route, 405: no_route})
 
 
 async def _sse(gw: Gateway, req: GenerateInput, states: list) -> AsyncIterator[bytes]:

@@ -227,6 +227,12 @@ def test_fields_that_change_nothing_here_are_accepted(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
 
 
+def test_unknown_paths_and_methods_answer_json(client):
+    for method, path, status in (("GET", "/v1/no-such-thing", 404), ("GET", "/v1/chat/completions", 405)):
+        r = client.request(method, path)
+        assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def test_models_list_and_retrieve(oai):
     name = oai.models.list().data[0].id
     card = oai.models.retrieve(name)
