@@ -9,11 +9,14 @@ found), abort (the request was aborted without an error)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from services.gateway.openai_requests import OpenAIRequest
 from services.gateway.request_state import Delta, RequestState
 from shared.finish import api_name
+
+TokenBytes = Callable[[int, str], list[int]] | None  # (token id, its text) -> its own bytes
 
 
 def usage(req: OpenAIRequest, results: list[RequestState]) -> dict[str, Any]:
@@ -41,7 +44,9 @@ def completion_response(
     return _response(req, "text_completion", choices, results, created)
 
 
-def chat_response(req: OpenAIRequest, results: list[RequestState], created: int) -> dict[str, Any]:
+def chat_response(
+    req: OpenAIRequest, results: list[RequestState], created: int, token_bytes: TokenBytes = None
+) -> dict[str, Any]:
     choices = []
     for i, st in enumerate(results):
         message: dict[str, Any] = {"role": "assistant", "content": st.text}
@@ -52,7 +57,11 @@ def chat_response(req: OpenAIRequest, results: list[RequestState], created: int)
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" or req.tools.schema is not None else reason
-        lp = {"content": chat_logprobs(st.logprob_meta())} if req.top_logprobs is not None else None
+        lp = (
+            {"content": chat_logprobs(st.logprob_meta(), token_bytes)}
+            if req.top_logprobs is not None
+            else None
+        )
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return _response(req, "chat.completion", choices, results, created)
 
@@ -83,18 +92,21 @@ def completion_logprobs(meta: dict[str, Any], echo: bool, text_offset: int = 0) 
     }
 
 
-def chat_logprobs(meta: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_logprobs(meta: dict[str, Any], token_bytes: TokenBytes = None) -> list[dict[str, Any]]:
+    """token_bytes(id, text): a token's own bytes (a token that is part of a UTF-8 character has the
+    replacement character as its text); None: its text's."""
     rows = meta.get("output_token_logprobs", [])
     tops = meta.get("output_top_logprobs", [])
+
+    def token(row: list[Any]) -> dict[str, Any]:
+        text = row[2] or ""
+        raw = token_bytes(row[1], text) if token_bytes is not None else list(text.encode("utf-8"))
+        return {"token": text, "logprob": row[0], "bytes": raw}
+
     return [
-        {**_token(row), "top_logprobs": [_token(t) for t in (top or [])]}
+        {**token(row), "top_logprobs": [token(t) for t in (top or [])]}
         for row, top in zip(rows, tops + [None] * (len(rows) - len(tops)), strict=True)
     ]
-
-
-def _token(row: list[Any]) -> dict[str, Any]:
-    text = row[2] or ""
-    return {"token": text, "logprob": row[0], "bytes": list(text.encode("utf-8"))}
 
 
 class StreamShaper:
@@ -103,8 +115,8 @@ class StreamShaper:
     tool_choice not "none") a choice's answer is held until it is complete, then sent as content or
     tool_calls: a call cannot be told from text before it ends."""
 
-    def __init__(self, req: OpenAIRequest, prompt_texts: list[str]) -> None:
-        self.req, self.prompt_texts = req, prompt_texts
+    def __init__(self, req: OpenAIRequest, prompt_texts: list[str], token_bytes: TokenBytes = None) -> None:
+        self.req, self.prompt_texts, self.token_bytes = req, prompt_texts, token_bytes
         self.created = int(time.time())
         self._offset: dict[int, int] = {}  # text sent per choice (completions' logprob text_offset)
         self._held: dict[int, str] = {}  # with tools: the answer so far
@@ -160,7 +172,7 @@ class StreamShaper:
         if self.req.top_logprobs is None:
             return None
         if self.chat:
-            rows = chat_logprobs(meta)
+            rows = chat_logprobs(meta, self.token_bytes)
             return {"content": rows} if rows else None
         if prompt_only:
             meta = {k: v for k, v in meta.items() if k.startswith("input_")}

@@ -76,13 +76,13 @@ class OpenAIServing:
             raise server_error(failed.message, failed.status_code or 500)
         created = int(time.time())
         if sub.req.kind == "chat":
-            return chat_response(sub.req, results, created)
+            return chat_response(sub.req, results, created, self.requests.prompt_tokens.token_bytes)
         return completion_response(sub.req, results, sub.prompt_texts, created)
 
     async def chunks(self, sub: Submitted) -> AsyncIterator[dict[str, Any]]:
         """The stream's payloads: chunks, an error object where the server failed a choice, the usage
         chunk when asked for (the caller ends the stream: `data: [DONE]` over HTTP)."""
-        shaper = StreamShaper(sub.req, sub.prompt_texts)
+        shaper = StreamShaper(sub.req, sub.prompt_texts, self.requests.prompt_tokens.token_bytes)
         async for delta in self.requests.stream(sub.states):
             failed = delta.state.failure if delta.finish is not None else None
             if failed is not None:

@@ -4,6 +4,8 @@ each token's text on its own (SGLang's return_text_in_logprobs)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 from services.gateway.generate_input import Prompt, check_vocabulary
@@ -40,6 +42,22 @@ class PromptTokens:
             out.append(text)
         return out
 
+    def token_bytes(self, token: int, text: str) -> list[int]:
+        """The token's own bytes (OpenAI's logprob `bytes`): its text's, unless the token is part of a
+        UTF-8 character (its text alone is U+FFFD) and the vocabulary says which bytes it stands for:
+        a byte-level BPE piece through GPT-2's byte alphabet, or a byte-fallback piece `<0xE2>`."""
+        if "\ufffd" not in text:
+            return list(text.encode("utf-8"))
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with contextlib.suppress(ValueError):
+                    return [int(piece[3:5], 16)]
+            alphabet = _byte_alphabet()
+            if piece and all(c in alphabet for c in piece):
+                return [alphabet[c] for c in piece]
+        return list(text.encode("utf-8"))
+
     def refuse_far_too_long(self, chars: int) -> None:
         """A text of `chars` characters whose token count cannot fit the context is refused before
         tokenizing it (megabytes take seconds): no token covers more than `max_token_chars` of them."""
@@ -65,3 +83,19 @@ class PromptTokens:
                 texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
                 self._token_chars = max(map(len, texts)) + 2
         return self._token_chars or None
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, read backwards: the character each byte is written as -> the byte
+    (printable ASCII and Latin-1 stand for themselves, the other bytes for U+0100 onwards)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]  # fmt: skip
+    out, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
