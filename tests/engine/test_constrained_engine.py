@@ -309,3 +309,27 @@ def test_regexes_and_schemas_hold_as_a_client_validates_them(engine):
     obj = json.loads(outs[3]["text"])
     assert isinstance(obj["a"], int) and len(obj["b"]) <= 4, obj
     assert len(json.loads(outs[4]["text"])["a"]) <= 3, outs[4]["text"]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_every_constrained_output_token_has_its_logprob(make_engine, backend):
+    """A request that wants logprobs draws the EOS its finished grammar allows (a forward, a logprob)
+    instead of getting it appended; min_new_tokens unmet or ignore_eos still append it."""
+    pytest.importorskip(backend)
+    engine = make_engine(grammar_backend=backend)
+    prompts = ["A person as JSON:", "Is the sky blue? Answer:", "Is water wet? Answer:"]
+    params = [
+        {"temperature": 0, "max_new_tokens": 64, "json_schema": json.dumps(SCHEMA)},
+        {"temperature": 0.8, "max_new_tokens": 8, "ebnf": 'root ::= "yes" | "no"', "sampling_seed": 3},
+        {"temperature": 0, "max_new_tokens": 8, "ebnf": 'root ::= "yes" | "no"', "min_new_tokens": 8},
+    ]
+    outs = engine.generate(prompts, params, return_logprob=True)
+    for o in outs:
+        meta = o["meta_info"]
+        assert meta["finish_reason"]["type"] == "stop", meta["finish_reason"]
+    person, answer, short = (o["meta_info"] for o in outs)
+    for meta in (person, answer):
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+        assert meta["output_token_logprobs"][-1][0] > -1e9  # the drawn EOS has a real logprob
+    assert len(short["output_token_logprobs"]) == short["completion_tokens"] - 1  # EOS appended, no forward
+    json.loads(outs[0]["text"])

@@ -133,10 +133,14 @@ class GrammarDecode:
 
     def _end_all_done(self, reqs: list[Req]) -> None:
         """A request whose grammar allows only EOS now ends: EOS is appended without a forward (even
-        with ignore_eos, which has nothing else to sample). The matchers asked in one batched call."""
+        with ignore_eos, which has nothing else to sample). The matchers asked in one batched call.
+        A request that wants logprobs draws its EOS instead (the mask allows nothing else), so every
+        output token has its logprob, unless min_new_tokens would mask that EOS too."""
         live = [
-            r for r in reqs if r.finish is None and r.matcher is not None and len(r.output) < r.max_new_tokens
-        ]
+            r for r in reqs
+            if r.finish is None and r.matcher is not None and len(r.output) < r.max_new_tokens
+            and not _draws_its_eos(r)
+        ]  # fmt: skip
         flags = self._each(live, [r.matcher for r in live], done_flags, lambda r, m: m.done)
         for r, done in zip(live, flags, strict=True):
             if done is True and r.finish is None:
@@ -234,6 +238,11 @@ class GrammarDecode:
             r.check_finished(tok, self.context_len)
             if r.finish is not None:
                 break
+
+
+def _draws_its_eos(r: Req) -> bool:
+    s = r.sampling
+    return r.lp is not None and not s.ignore_eos and len(r.output) >= s.min_new_tokens
 
 
 def _common(a: list[int], b: list[int]) -> int:
