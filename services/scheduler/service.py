@@ -64,6 +64,7 @@ class SchedulerService:
         self._failed: asyncio.Future[str] | None = None
         self._tasks: list[asyncio.Task] = []
         self._gateways: dict[str, float] = {}  # a gateway's output subject -> its last heartbeat
+        self._last_beat = time.monotonic()  # the last heartbeat of anyone (our own included)
         self._detok: tuple[str, float] | None = None  # our detokenizer's instance and its last heartbeat
         self._started = time.monotonic()
         self.metrics = SchedulerMetrics()  # built on the scheduler thread, sent with each heartbeat
@@ -162,6 +163,7 @@ class SchedulerService:
             self._publish_soon(self.transport.settle_work(token, NAK))
 
     async def _on_heartbeat(self, m: Message) -> None:
+        self._last_beat = time.monotonic()
         try:
             beat = orjson.loads(m.data)
             if beat.get("service") == "gateway" and isinstance(beat.get("out_subject"), str):
@@ -200,9 +202,19 @@ class SchedulerService:
 
     async def _drop_orphans(self) -> None:
         """Requests whose gateway died (its clients are gone with it) stop here and leave the work
-        queue, instead of running, and being delivered again, for nobody."""
+        queue, instead of running, and being delivered again, for nobody. A gateway is only judged
+        while this process hears the bus: after a stall of its own (stopped, swapped out) or of the
+        bus (no heartbeat from anyone), every gateway's clock starts again instead, since none of
+        them could have been heard meanwhile."""
+        last = time.monotonic()
         while True:
             await asyncio.sleep(GATEWAY_TIMEOUT_S / 4)
+            now = time.monotonic()
+            stalled = now - last > GATEWAY_TIMEOUT_S / 2 or now - self._last_beat > 3 * INTERVAL_S
+            last = now
+            if stalled:
+                self._gateways = dict.fromkeys(self._gateways, now)
+                continue
             gone = {subject for subject in self._gateways if self._orphaned(subject)}
             if gone:
                 tokens = await self.call(functools.partial(_drop_for, gone))
