@@ -16,7 +16,8 @@ from sglbus.lang.params import checked
 from sglbus.lang.runtime import Runtime
 
 __all__ = [  # Engine comes from __getattr__, lazily
-    "Engine", "Runtime", "assistant",  # noqa: F822 "assistant_begin", "assistant_end", "flush_cache", "function", "gen",
+    "Engine",  # noqa: F822
+    "Runtime", "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen",
     "gen_int", "gen_string", "get_default_backend", "get_server_info", "global_config", "image", "select",
     "set_default_backend", "system", "system_begin", "system_end", "user", "user_begin", "user_end", "video",
 ]  # fmt: skip
@@ -75,38 +76,34 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
                 json_schema=json_schema)  # fmt: skip
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
-            stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-            stop_regex: str | list[str] | None = None, temperature: float | None = None,
-            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-            frequency_penalty: float | None = None, presence_penalty: float | None = None,
-            ignore_eos: bool | None = None, return_logprob: bool | None = None,
-            logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-            return_text_in_logprobs: bool | None = None, *, min_tokens: int | None = None,
-            **unknown: Any) -> ir.Expr:  # fmt: skip
-    """gen constrained to an integer (and stopped at the space or newline after it). Positional
-    parameters in SGLang's order."""
-    _typed_gen_unknown("gen_int", unknown)
-    return gen(name, max_tokens, min_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k,
-               min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
-               top_logprobs_num, return_text_in_logprobs, dtype=int)  # fmt: skip
+def _typed_gen(dtype: type, what: str, doc: str):
+    """gen_int / gen_string: gen with the constraint of `dtype`, positional parameters in SGLang's order."""
+
+    def typed(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+              stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+              stop_regex: str | list[str] | None = None, temperature: float | None = None,
+              top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+              frequency_penalty: float | None = None, presence_penalty: float | None = None,
+              ignore_eos: bool | None = None, return_logprob: bool | None = None,
+              logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+              return_text_in_logprobs: bool | None = None, *, min_tokens: int | None = None,
+              **unknown: Any) -> ir.Expr:  # fmt: skip
+        _typed_gen_unknown(what, unknown)
+        return gen(name, max_tokens, min_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p,
+                   top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob,
+                   logprob_start_len, top_logprobs_num, return_text_in_logprobs, dtype=dtype)  # fmt: skip
+
+    typed.__name__ = typed.__qualname__ = what
+    typed.__doc__ = doc
+    return typed
 
 
-def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
-               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-               stop_regex: str | list[str] | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-               frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               ignore_eos: bool | None = None, return_logprob: bool | None = None,
-               logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-               return_text_in_logprobs: bool | None = None, *, min_tokens: int | None = None,
-               **unknown: Any) -> ir.Expr:  # fmt: skip
-    """gen constrained to a double-quoted string of word characters and spaces. Positional parameters
-    in SGLang's order."""
-    _typed_gen_unknown("gen_string", unknown)
-    return gen(name, max_tokens, min_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k,
-               min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
-               top_logprobs_num, return_text_in_logprobs, dtype=str)  # fmt: skip
+gen_int = _typed_gen(
+    int, "gen_int", "gen constrained to an integer (and stopped at the space or newline after it)."
+)
+gen_string = _typed_gen(
+    str, "gen_string", "gen constrained to a double-quoted string of word characters and spaces."
+)
 
 
 def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
