@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.models.ops import TorchOps
+from services.scheduler.rotary import rotate_half_rope
 
 EPS = 1e-5
 
@@ -34,11 +35,12 @@ def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return TorchOps.rope(x, x, cos, sin, positions)[0]
+    return rotate_half_rope(x, cos, sin, positions)
 
 
 def rope_tables(dim: int, max_positions: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_positions, dim] fp32, as models/llama.py's Rotary builds them (Llama-3's theta)."""
+    """cos, sin [max_positions, dim] fp32, as services/scheduler/rotary.py's Rotary builds them
+    (Llama-3's theta)."""
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2).float() / dim)
     freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1).to(device)

@@ -138,13 +138,17 @@ def test_shutdown_frees_the_model_at_once(tmp_path, model_folder):
     import weakref
 
     from sglbus import Engine
+    from shared.gc_freeze import STEP_LOOP_THRESHOLDS
 
     folder = write_dummy_folder(str(tmp_path / "tiny"), TINY, tokenizer_from=model_folder)
+    thresholds = gc.get_threshold()
     with Engine(model_path=folder, load_format="dummy") as engine:
         engine.generate("x", {"max_new_tokens": 2})
         model = weakref.ref(engine.scheduler_service.runner.model)
         # start-up froze what it built (shared/gc_freeze.py: no full-collection stalls of the steps)
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == STEP_LOOP_THRESHOLDS != thresholds
     assert gc.get_freeze_count() == 0  # handed back, so the model's cycles are collectable
+    assert gc.get_threshold() == thresholds
     gc.collect()
     assert model() is None

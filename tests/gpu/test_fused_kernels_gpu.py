@@ -15,7 +15,7 @@ from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import apply_rope  # noqa: E402
+from kernels.rope import apply_rope, rope_store_kv  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, DIM = 4096, 14336, 32, 8, 128
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -80,6 +80,23 @@ def test_store_kv(tokens, dtype):
     others = torch.ones(slots, dtype=torch.bool, device="cuda")
     others[loc] = False
     assert k_buf[others].isnan().all() and v_buf[others].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 4096])
+def test_rope_store_kv(tokens, dtype):
+    """Fused RoPE + store = apply_rope then store_kv, exactly."""
+    slots = 3 * tokens + 5
+    cos, sin = rope_tables(DIM, 8192, "cuda")
+    q, k, v = qkv_views(tokens, dtype)
+    positions = torch.randint(1, 8192, (tokens,), device="cuda")
+    loc = torch.randperm(slots, device="cuda")[:tokens]
+    bufs = [torch.full((slots, KV_HEADS, DIM), float("nan"), device="cuda", dtype=dtype) for _ in range(4)]
+    q2, k2 = q.clone(), k.clone()
+    apply_rope(q2, k2, cos, sin, positions)
+    store_kv(bufs[0], bufs[1], loc, k2, v)
+    rope_store_kv(q, k, v, cos, sin, positions, bufs[2], bufs[3], loc)
+    assert torch.equal(q, q2) and torch.equal(bufs[2][loc], bufs[0][loc]) and torch.equal(bufs[3][loc], v)
 
 
 def test_cuda_graph_replay():

@@ -18,7 +18,7 @@ from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import apply_rope  # noqa: E402
+from kernels.rope import apply_rope, rope_store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -109,3 +109,25 @@ def test_store_kv(tokens, dim, dtype):
     others = torch.ones(slots, dtype=torch.bool, device=DEVICE)
     others[loc] = False
     assert k_buf[others].isnan().all() and v_buf[others].isnan().all(), "only the slots in loc change"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 96, 128])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_rope_store_kv_equals_rope_then_store(tokens, dim, dtype):
+    """The fused RoPE + store writes exactly what apply_rope then store_kv write; k stays unrotated."""
+    slots, kv_heads = 40, 3
+    cos, sin = rope_tables(dim, 4096, DEVICE)
+    q, k, v = fused_qkv(tokens, 6, kv_heads, dim, dtype, fused=True)
+    positions = torch.randint(1, 4096, (tokens,), device=DEVICE)
+    loc = torch.randperm(slots - 1, device=DEVICE)[:tokens] + 1
+    bufs = [torch.full((slots, kv_heads, dim), float("nan"), device=DEVICE, dtype=dtype) for _ in range(4)]
+    q2, k2, k_before = q.clone(), k.clone(), k.clone()
+    apply_rope(q2, k2, cos, sin, positions)
+    store_kv(bufs[0], bufs[1], loc, k2, v)
+    rope_store_kv(q, k, v, cos, sin, positions, bufs[2], bufs[3], loc)
+    assert torch.equal(q, q2) and torch.equal(k, k_before)
+    assert torch.equal(bufs[2][loc], bufs[0][loc]) and torch.equal(bufs[3][loc], v)
+    others = torch.ones(slots, dtype=torch.bool, device=DEVICE)
+    others[loc] = False
+    assert bufs[2][others].isnan().all() and bufs[3][others].isnan().all(), "only the slots in loc change"

@@ -16,6 +16,7 @@ import torch
 
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.memory import KVPool, ReqToTokenPool
+from services.scheduler.rotary import Rotary
 
 
 class AttentionBackend(ABC):
@@ -33,10 +34,18 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        fb: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] for the new tokens. Stores k/v at fb.out_cache_loc, attends over
-        each request's whole sequence (cached prefix + new tokens, causal) and returns [T, H, D]."""
+        """q [T, H, D], k/v [T, Hkv, D] for the new tokens. Rotates q and k by `rotary` at fb.positions
+        (RoPE; not at all without it), stores k/v at fb.out_cache_loc, attends over each request's
+        whole sequence (cached prefix + new tokens, causal) and returns [T, H, D]. q, k and v may be
+        views of one fused projection; the backend may overwrite them."""
 
     def init_cuda_graph(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot run inside a CUDA graph")

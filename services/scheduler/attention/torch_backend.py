@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from services.scheduler.attention.base import AttentionBackend
 from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.rotary import Rotary
 
 
 @dataclass
@@ -67,8 +68,16 @@ class TorchAttention(AttentionBackend):
         self.meta = _Meta(dec_tok, dec_idx, dec_mask, len(dec) == len(ext_lens) and not extends, extends)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        fb: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            q, k = rotary.rotate(q, k, fb.positions)
         meta = self.meta
         k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
         k_pool[fb.out_cache_loc] = k

@@ -1,7 +1,8 @@
 """Attention on Triton kernels (kernels/) that read the token-level pool in place: no KV is gathered
 or copied. The default on CUDA; under `TRITON_INTERPRET=1` it also runs on CPU (tests).
 
-    store     kernels.kv_store: the step's new K/V into their slots, one launch for both
+    store     kernels.rope.rope_store_kv: q and k rotated (RoPE) and the step's new K/V written to
+              their slots in one launch (kernels.kv_store without RoPE)
     DECODE    kernels.decode_attention: flash-decoding (split-K over the sequence), GQA-grouped;
               the grid depends only on the batch size, so a CUDA graph captures it
     EXTEND    kernels.extend_attention: causal attention over cached prefix + new tokens, per request;
@@ -20,9 +21,11 @@ import torch
 from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch
 from kernels.extend_attention import extend_attention
 from kernels.kv_store import store_kv
+from kernels.rope import rope_store_kv
 from services.scheduler.attention.base import AttentionBackend
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.memory import KVPool, ReqToTokenPool
+from services.scheduler.rotary import Rotary
 
 
 class TritonAttention(AttentionBackend):
@@ -41,10 +44,19 @@ class TritonAttention(AttentionBackend):
         pass
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        fb: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         k_buf, v_buf = self.kv.k[layer], self.kv.v[layer]
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        if rotary is None:
+            store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        else:  # q rotated in place; k rotated into the pool only (the kernels read keys from there)
+            rope_store_kv(q, k, v, rotary.cos, rotary.sin, fb.positions, k_buf, v_buf, fb.out_cache_loc)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         table = self.req_to_token.table
         nd = fb.num_decode  # the whole batch in DECODE mode

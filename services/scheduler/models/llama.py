@@ -6,7 +6,6 @@ greedy output matches it token for token in fp32. q/k/v and gate/up are fused in
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from torch import nn
 from services.scheduler.attention.base import AttentionBackend
 from services.scheduler.forward_batch import ForwardBatch, LogitsOutput
 from services.scheduler.models.ops import TorchOps, TritonOps
+from services.scheduler.rotary import Rotary
 from shared.model_config import ModelConfig
 
 
@@ -25,40 +25,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
-
-
-class Rotary:
-    """cos/sin for every position up to the context length, computed once as transformers does;
-    fp32 plain tensors (not parameters or buffers: model.to(bf16) must not round them)."""
-
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        inv_freq = rope_inv_freq(config)
-        pos = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
 
 
 class DecoderLayer(nn.Module):
@@ -89,9 +55,8 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(h, self.qkv_proj)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rope(q, k, ctx.rotary.cos, ctx.rotary.sin, fb.positions)
-        o = ctx.attn.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), self.layer, fb)
+        k, v = k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim)
+        o = ctx.attn.forward(q, k, v, self.layer, fb, ctx.rotary)  # rotates q and k (RoPE) as it stores
         o = F.linear(o.reshape(t, self.q_size), self.o_proj)
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(o, residual, norm.weight, norm.eps)

@@ -4,7 +4,8 @@ for token) and `TritonOps` (kernels/: one fused launch per step instead of sever
 
     add_rms_norm(x, residual, w, eps)   (rms_norm(x + residual), x + residual)
     gate_up_silu(h, w)                  silu(h Wg^T) * (h Wu^T) for the fused weight w = [Wg; Wu]
-    rope(q, k, cos, sin, positions)     rotate-half RoPE on q [T, H, D] and k [T, Hkv, D]
+
+(RoPE is the attention backend's, fused with the KV store on triton: services/scheduler/rotary.py.)
 
 The Triton versions follow the same rounding (the sum is rounded to the input dtype before it is
 normalised; normalisation in fp32; the weight multiplies in the input dtype).
@@ -39,19 +40,6 @@ class TorchOps:
         gate_w, up_w = weight.chunk(2, dim=0)
         return F.silu(F.linear(h, gate_w)) * F.linear(h, up_w)
 
-    @staticmethod
-    def rope(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        c = cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        s = sin[positions].unsqueeze(1).to(q.dtype)
-        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 class TritonOps:
     name = "triton"
@@ -59,10 +47,9 @@ class TritonOps:
     def __init__(self) -> None:
         from kernels.activation import silu_and_mul
         from kernels.norm import fused_add_rms_norm, rms_norm
-        from kernels.rope import apply_rope
 
         self._rms_norm, self._add_rms_norm = rms_norm, fused_add_rms_norm
-        self._silu_and_mul, self._rope = silu_and_mul, apply_rope
+        self._silu_and_mul = silu_and_mul
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -74,12 +61,6 @@ class TritonOps:
 
     def gate_up_silu(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._silu_and_mul(F.linear(h, weight))  # one product, one fused kernel
-
-    def rope(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._rope(q, k, cos, sin, positions)  # in place
-        return q, k
 
 
 def make_ops(name: str) -> TorchOps | TritonOps:
