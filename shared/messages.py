@@ -43,7 +43,9 @@ class LogprobOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Logprobs one request gained since its last output, as raw little-endian arrays (float32 values,
     int32 ids; msgpack bin, never lists of floats). Input rows continue the prompt positions sent
     before (the first is max(start_len, 1)); output rows belong to this output's token ids, in order.
-    Shapes: token [m], top [m, top_k], ids [m, len(token_ids)]."""
+    Shapes: token [m], top [m, top_k], ids [m, len(token_ids)]. A request that ends at its prompt
+    (max_new_tokens 0) and asked for top or listed logprobs has one output top / ids row (the next
+    position's) and no token row: there is no token."""
 
     input_token: bytes = b""
     input_top_val: bytes = b""

@@ -22,7 +22,6 @@ from typing import Any
 import orjson
 
 from services.gateway import sglang_shape
-from services.gateway.generate_input import decode_json
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_serving import OpenAIServing
 from services.gateway.request_manager import RequestManager
@@ -63,12 +62,10 @@ class BusApi:
             if len(data) > self.max_request_bytes:
                 raise OpenAIError(f"the request has {len(data)} bytes, over the bus API's limit of "
                                   f"{self.max_request_bytes}", None, 413)  # fmt: skip
-            try:
-                body = decode_json(data)
-            except ValueError as e:
-                raise OpenAIError(str(e)) from None
-            stream = isinstance(body, dict) and body.get("stream") is True
-            sub = await self.openai.submit(kind, body)
+            stream, parsed = await self.openai.parse(kind, data)
+            if isinstance(parsed, OpenAIError):
+                raise parsed
+            sub = await self.openai.submit(*parsed)
             if stream:
                 async for payload in self.openai.chunks(sub):
                     await self._send(reply, payload)

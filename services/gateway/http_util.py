@@ -20,19 +20,24 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 
 class BodyTooLarge(ValueError):
-    pass
+    """A body over the gateway's `max_body_bytes`: HTTP 413 (Payload Too Large), not the 400 of a
+    body that is wrong; the message names the limit."""
+
+    status = 413
 
 
 async def read_json(request: Request, limit: int, parse: bool = True) -> Any:
-    """The body (decoded JSON, or the bytes with parse=False), refused past `limit` bytes."""
+    """The body (decoded JSON, or the bytes with parse=False), refused past `limit` bytes (BodyTooLarge:
+    at once when the declared length is over it, else as soon as what arrived is)."""
     declared = request.headers.get("content-length")
+    where = f"the limit of {limit} bytes (the gateway's max_body_bytes)"
     if declared and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
+        raise BodyTooLarge(f"request body of {declared} bytes is over {where}")
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
-            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+            raise BodyTooLarge(f"request body is over {where}")
     return decode_json(bytes(body)) if parse else bytes(body)
 
 

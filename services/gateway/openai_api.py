@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP endpoints of the gateway: `/v1/completions` and `/v1/chat/completions`
 (JSON and SSE; the work is openai_serving.py's, shared with the bus API), and SGLang's `/tokenize` and
-`/detokenize` (also under /v1/). Errors have OpenAI's shape."""
+`/detokenize` (also under /v1/). Errors have OpenAI's shape (a body over the size limit: 413). A body
+from OFF_LOOP_BYTES on is decoded and checked on the tokenizer's threads, not the event loop."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -12,11 +13,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from services.gateway.generate_input import check_vocabulary
-from services.gateway.http_util import json_response, read_json, wait_or_disconnect
+from services.gateway.generate_input import check_vocabulary, decode_json
+from services.gateway.http_util import BodyTooLarge, json_response, read_json, wait_or_disconnect
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_requests import is_int
-from services.gateway.openai_serving import OpenAIServing, Submitted
+from services.gateway.openai_serving import OFF_LOOP_BYTES, OpenAIServing, Submitted
 from services.gateway.service import Gateway
 
 
@@ -27,11 +28,13 @@ def openai_error(e: OpenAIError) -> Response:
 def openai_routes(gw: Gateway) -> list[Route]:
     limit = gw.cfg.max_body_bytes
 
-    async def body_of(request: Request) -> Any:
+    async def body_of(request: Request) -> bytes:
+        """The body's bytes (decoded where its size decides: `OpenAIServing.parse`, `worked`);
+        OpenAIError 413 past the size limit."""
         try:
-            return await read_json(request, limit)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from None
+            return await read_json(request, limit, parse=False)
+        except BodyTooLarge as e:
+            raise OpenAIError(str(e), None, e.status) from None
 
     async def completions(request: Request) -> Response:
         return await serve(request, "completion")
@@ -42,7 +45,10 @@ def openai_routes(gw: Gateway) -> list[Route]:
     async def serve(request: Request, kind: str) -> Response:
         serving = gw.openai
         try:
-            sub = await serving.submit(kind, await body_of(request))
+            _, parsed = await serving.parse(kind, await body_of(request))
+            if isinstance(parsed, OpenAIError):
+                raise parsed
+            sub = await serving.submit(*parsed)
         except OpenAIError as e:
             return openai_error(e)
         except ValueError as e:  # a check below the OpenAI layer's own: still the request's fault
@@ -55,48 +61,58 @@ def openai_routes(gw: Gateway) -> list[Route]:
             return openai_error(e)
         return json_response(result) if answered else Response(status_code=499)
 
-    async def tokenize(request: Request) -> Response:
+    async def worked(
+        request: Request, work: Callable[[Any], dict[str, Any]], always: bool = False
+    ) -> Response:
+        """work(the decoded body) -> the response object; on the tokenizer's threads for a body from
+        OFF_LOOP_BYTES on, or always (tokenizing text takes a while); OpenAIError: its response."""
         try:
-            obj = await body_of(request)
-            if not isinstance(obj, dict):
-                raise OpenAIError("the request body must be a JSON object")
-            prompt, special = obj.get("prompt"), obj.get("add_special_tokens", True)
-            texts = [prompt] if isinstance(prompt, str) else prompt
-            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-                raise OpenAIError("prompt must be a string or a non-empty list of strings", "prompt")
-            if not isinstance(special, bool):
-                raise OpenAIError("add_special_tokens must be true or false", "add_special_tokens")
+            data = await body_of(request)
+            if always or len(data) >= OFF_LOOP_BYTES:
+                return json_response(await gw.requests.off_loop(_decoded, work, data))
+            return json_response(_decoded(work, data))
         except OpenAIError as e:
             return openai_error(e)
+
+    def tokenize_body(obj: Any) -> dict[str, Any]:
+        if not isinstance(obj, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        prompt, special = obj.get("prompt"), obj.get("add_special_tokens", True)
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise OpenAIError("prompt must be a string or a non-empty list of strings", "prompt")
+        if not isinstance(special, bool):
+            raise OpenAIError("add_special_tokens must be true or false", "add_special_tokens")
         ids = [gw.requests.tokenizer.encode(t, add_special_tokens=special) for t in texts]
         one = isinstance(prompt, str)
-        return json_response(
-            {
-                "tokens": ids[0] if one else ids,
-                "count": len(ids[0]) if one else [len(i) for i in ids],
-                "max_model_len": gw.requests.context_len,
-            }
-        )
+        return {
+            "tokens": ids[0] if one else ids,
+            "count": len(ids[0]) if one else [len(i) for i in ids],
+            "max_model_len": gw.requests.context_len,
+        }
+
+    def detokenize_body(obj: Any) -> dict[str, Any]:
+        tokens = obj.get("tokens") if isinstance(obj, dict) else None
+        one = isinstance(tokens, list) and all(is_int(t) for t in tokens)
+        rows = [tokens] if one else tokens
+        if not isinstance(rows, list) or not all(
+            isinstance(r, list) and all(is_int(t) for t in r) for r in rows
+        ):
+            raise OpenAIError("tokens must be a list of token ids or a list of such lists", "tokens")
+        for r in rows:
+            try:
+                check_vocabulary(r, gw.requests.vocab_size)
+            except ValueError as e:
+                raise OpenAIError(str(e), "tokens") from None
+        skip = bool(obj.get("skip_special_tokens", False))
+        texts = [gw.requests.tokenizer.decode(r, skip_special_tokens=skip) for r in rows]
+        return {"text": texts[0] if one else texts}
+
+    async def tokenize(request: Request) -> Response:
+        return await worked(request, tokenize_body, always=True)
 
     async def detokenize(request: Request) -> Response:
-        try:
-            obj = await body_of(request)
-            tokens = obj.get("tokens") if isinstance(obj, dict) else None
-            one = isinstance(tokens, list) and all(is_int(t) for t in tokens)
-            rows = [tokens] if one else tokens
-            if not isinstance(rows, list) or not all(
-                isinstance(r, list) and all(is_int(t) for t in r) for r in rows
-            ):
-                raise OpenAIError("tokens must be a list of token ids or a list of such lists", "tokens")
-            for r in rows:
-                check_vocabulary(r, gw.requests.vocab_size)
-        except ValueError as e:  # OpenAIError, or the vocabulary check's
-            return openai_error(e if isinstance(e, OpenAIError) else OpenAIError(str(e), "tokens"))
-        texts = [
-            gw.requests.tokenizer.decode(r, skip_special_tokens=bool(obj.get("skip_special_tokens", False)))
-            for r in rows
-        ]
-        return json_response({"text": texts[0] if one else texts})
+        return await worked(request, detokenize_body)
 
     return [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -106,6 +122,14 @@ def openai_routes(gw: Gateway) -> list[Route]:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
     ]
+
+
+def _decoded(work: Callable[[Any], dict[str, Any]], data: bytes) -> dict[str, Any]:
+    try:
+        obj = decode_json(data)
+    except ValueError as e:
+        raise OpenAIError(str(e)) from None
+    return work(obj)
 
 
 async def _sse(serving: OpenAIServing, sub: Submitted) -> AsyncIterator[bytes]:

@@ -80,6 +80,7 @@ def completion_logprobs(meta: dict[str, Any], echo: bool, text_offset: int = 0) 
     rows += meta.get("output_token_logprobs", [])
     tops += meta.get("output_top_logprobs", [])
     tops += [[]] * (len(rows) - len(tops))  # logprobs=0: one (empty) entry per token, as OpenAI's
+    del tops[len(rows) :]  # max_tokens=0: the row of the next position has no token (one entry per token)
     offsets, at = [], text_offset
     for row in rows:
         offsets.append(at)
@@ -96,7 +97,7 @@ def chat_logprobs(meta: dict[str, Any], token_bytes: TokenBytes = None) -> list[
     """token_bytes(id, text): a token's own bytes (a token that is part of a UTF-8 character has the
     replacement character as its text); None: its text's."""
     rows = meta.get("output_token_logprobs", [])
-    tops = meta.get("output_top_logprobs", [])
+    tops = meta.get("output_top_logprobs", [])[: len(rows)]  # max_tokens=0: a next-position row, no token
 
     def token(row: list[Any]) -> dict[str, Any]:
         text = row[2] or ""

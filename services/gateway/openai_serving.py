@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.generate_input import GenerateInput, parse_generate_input
+from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
 from services.gateway.openai_errors import OpenAIError, server_error
 from services.gateway.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from services.gateway.openai_responses import StreamShaper, chat_response, completion_response
@@ -17,6 +17,10 @@ from services.gateway.request_manager import RequestManager
 from shared.transport import BusUnavailable
 
 KINDS = ("completion", "chat")
+# bodies from this size on are decoded and checked on the tokenizer's threads: on the event loop a
+# large one would hold every other client (JSON and the checks cost ~25 ms a MiB: 0.8 s for the ids of
+# a 32 MiB prompt); below it the hop to a thread costs more than the parse
+OFF_LOOP_BYTES = 64 << 10
 
 
 @dataclass
@@ -25,6 +29,10 @@ class Submitted:
     gen: GenerateInput
     states: list
     prompt_texts: list[str]  # for echo
+
+
+# whether the body asked for a stream; the request and the /generate request it becomes, or why not
+Parsed = tuple[bool, tuple[OpenAIRequest, GenerateInput] | OpenAIError]
 
 
 class OpenAIServing:
@@ -46,14 +54,34 @@ class OpenAIServing:
         )
         return list(out["input_ids"])
 
-    async def submit(self, kind: str, body: Any) -> Submitted:
-        """Checked and queued; OpenAIError when it cannot be (nothing was queued then)."""
-        if kind == "chat":  # on the tokenizer's threads: the template and the tokenizer take a while
-            req = await self.requests.off_loop(parse_chat, body, self.models(), self.render)
-        else:
-            req = parse_completion(body, self.models())
+    async def parse(self, kind: str, data: bytes) -> Parsed:
+        """The body checked under OpenAI's names and as the `/generate` request it becomes: whether it
+        asked for a stream (a refused stream still ends as one on the bus) and the pair, or why not.
+        A chat (its template and tokenizer take a while) and any body from OFF_LOOP_BYTES on are
+        parsed on the tokenizer's threads, so the event loop keeps answering meanwhile."""
+        if kind == "chat" or len(data) >= OFF_LOOP_BYTES:
+            return await self.requests.off_loop(self.parse_here, kind, data)
+        return self.parse_here(kind, data)
+
+    def parse_here(self, kind: str, data: bytes) -> Parsed:
+        """`parse` on the calling thread."""
+        stream = b'"stream"' in data  # a guess until it decodes
         try:
-            gen = parse_generate_input(req.generate)
+            body = decode_json(data)
+            stream = isinstance(body, dict) and body.get("stream") is True
+            if kind == "chat":
+                req = parse_chat(body, self.models(), self.render)
+            else:
+                req = parse_completion(body, self.models())
+            return stream, (req, parse_generate_input(req.generate))
+        except OpenAIError as e:
+            return stream, e
+        except ValueError as e:  # invalid JSON, or the /generate request's own checks
+            return stream, OpenAIError(str(e))
+
+    async def submit(self, req: OpenAIRequest, gen: GenerateInput) -> Submitted:
+        """Queued (`parse` gives the pair); OpenAIError when it cannot be (nothing was queued then)."""
+        try:
             states = await self.requests.submit(gen)
         except ValueError as e:  # the checks every request passes (prompt length, vocabulary, grammar)
             raise OpenAIError(str(e)) from None

@@ -12,6 +12,7 @@ Results stay numpy arrays on the request until its next output, then travel as r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,14 @@ def output_rows(
             Rows(every.token[j : j + 1], every.top_val[j : j + 1, :k], every.top_idx[j : j + 1, :k], ids_val)
         )
     return out
+
+
+def next_rows(lp: torch.Tensor, top_ks: list[int], token_ids: list[list[int]]) -> list[Rows]:
+    """One row per request that ends at its prompt without drawing (max_new_tokens 0): the top k and
+    the asked-for ids of the next position, lp [B, V], and no token logprob (there is no token: its
+    `token` is empty, so the row adds to the top and ids arrays only)."""
+    rows = output_rows(lp, lp.new_zeros(lp.shape[0], dtype=torch.int64), top_ks, token_ids)
+    return [dataclasses.replace(r, token=r.token[:0]) for r in rows]
 
 
 def input_rows(

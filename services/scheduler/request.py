@@ -111,6 +111,14 @@ class Req:
     def remaining_output(self) -> int:
         return self.max_new_tokens - len(self.output) - self.pending
 
+    @property
+    def reads_next_logprobs(self) -> bool:
+        """It ends at its prompt without drawing (max_new_tokens 0) yet asked for top or listed
+        logprobs: the distribution after the prompt comes back as one output row without a token, as
+        SGLang's `output_top_logprobs[0]` (a zero-token gen reading the likely next tokens)."""
+        lp = self.lp
+        return self.max_new_tokens == 0 and lp is not None and bool(lp.top_k or lp.token_ids)
+
     def check_finished(self, token: int, context_len: int) -> None:
         """Called after `token` was appended to `output` (the context counts known tokens, not
         fill_len: under overlap the next token may already be in flight)."""

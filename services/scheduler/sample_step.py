@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from services.scheduler.host_copy import to_device
-from services.scheduler.logprobs import input_rows
+from services.scheduler.logprobs import input_rows, next_rows
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import Req
 from services.scheduler.sampling.dense_penalties import DensePenaltyProcessor
@@ -113,6 +113,25 @@ class SampleStep:
                 log.exception("prompt logprobs failed for request %s", r.rid)
                 self.fail(r, "prompt logprobs", e)
             row += m
+
+    def next_token_logprobs(self, logits: torch.Tensor, readers: list[Req]) -> None:
+        """The requests that end at their prompt and asked for its next-token logprobs
+        (`Req.reads_next_logprobs`): their rows of `logits` [len(readers), V], raw as every output
+        logprob, join `lp_out` now (they finish when this step completes; nothing is drawn)."""
+
+        def rows(i: int, j: int) -> list[Any]:
+            lp = torch.log_softmax(logits[i:j].float(), dim=-1)
+            part = readers[i:j]
+            return next_rows(lp, [r.lp.top_k for r in part], [r.lp.token_ids for r in part])
+
+        try:
+            got = rows(0, len(readers))
+        except Exception:
+            alone = self._one_by_one("next-token logprobs", readers, lambda i: rows(i, i + 1))
+            got = [None if one is None else one[0] for one in alone]
+        for r, row in zip(readers, got, strict=True):
+            if row is not None and r.finish is None:
+                r.lp_out.append(row)
 
     def launch(self, logits: torch.Tensor, samplers: list[Req], sync: bool = True) -> Drawn:
         """Processors, draw, processors' on_sample; the ids start their way to the host. With

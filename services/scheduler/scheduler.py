@@ -304,9 +304,7 @@ class Scheduler(RequestIntake, PoolState):
         self.stats["retractions"] += 1
 
     # -- forward ------------------------------------------------------------------------------
-    def _forward_batch(
-        self, batch: list[Req], decodes: list[Req]
-    ) -> tuple[ForwardBatch, list[Req], list[tuple[Req, int]]]:
+    def _forward_batch(self, batch: list[Req], decodes: list[Req]) -> tuple[ForwardBatch, StepInputs]:
         step = StepInputs.collect(batch)
         self.timer.lap("inputs")
         loc = self.kv.alloc(self._promised)
@@ -322,7 +320,7 @@ class Scheduler(RequestIntake, PoolState):
             assert self._inflight is not None and self._inflight.drawn is not None
             in_flight = self._inflight.drawn.safe
         fb = step.forward_batch(loc, self.req_to_token.table, self.runner.device, cascade, in_flight)
-        return fb, step.samplers, step.lp_reqs
+        return fb, step
 
     def _launch(self, batch: list[Req], defer: bool = False) -> _Step:
         """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not.
@@ -331,13 +329,18 @@ class Scheduler(RequestIntake, PoolState):
         # one-token requests first: an attention backend runs its decode kernel on those (num_decode)
         decodes = [r for r in batch if r.extend_len == 1]
         batch = decodes + [r for r in batch if r.extend_len != 1]
-        fb, samplers, lp_reqs = self._forward_batch(batch, decodes)
+        fb, step = self._forward_batch(batch, decodes)
+        samplers = step.samplers
         self.timer.lap("batch", fb.mode, fb.batch_size)
         t1 = time.perf_counter()
         start = self.timer.begin()
         out = self.runner.forward(fb)
-        if lp_reqs:
-            self.sampling.input_logprobs(out.lp_hidden, lp_reqs)
+        logits = out.logits
+        if step.lp_reqs:
+            self.sampling.input_logprobs(out.lp_hidden, step.lp_reqs)
+        if step.readers:  # their rows follow the samplers'; they end this step without drawing
+            self.sampling.next_token_logprobs(logits[len(samplers) :], step.readers)
+            logits = logits[: len(samplers)]
         self.timer.lap("forward")
         number = self.stats["steps"]
         self.stats["steps"] += 1
@@ -348,7 +351,6 @@ class Scheduler(RequestIntake, PoolState):
         for r in batch:
             r.num_computed += r.extend_len
             r.extend_len = 0
-        logits = out.logits
         if defer:  # the masks fill while the step in flight completes (GrammarMaskProcessor.begin)
             done, self._inflight = self._inflight, None
             self.sampling.grammar_mask.begin(samplers)

@@ -31,6 +31,9 @@ class StepInputs:
     extend_lens: list[int] = field(default_factory=list)
     samplers: list[Req] = field(default_factory=list)
     logits_idx: list[int] = field(default_factory=list)
+    # requests that end at their prompt and read its next-token logprobs (`Req.reads_next_logprobs`):
+    # their last token's logits come after the samplers' (`logits_idx` ends with theirs)
+    readers: list[Req] = field(default_factory=list)
     lp_idx: list[int] = field(default_factory=list)
     lp_reqs: list[tuple[Req, int]] = field(default_factory=list)  # owing prompt logprobs: (req, count)
     # tokens the step in flight drew: their indices here, then the rows of that step's draw (flat)
@@ -42,6 +45,7 @@ class StepInputs:
     def collect(cls, batch: list[Req]) -> StepInputs:
         s = cls()
         start = 0
+        reader_idx: list[int] = []
         for r in batch:
             c, n = r.num_computed, r.extend_len
             s.rows.append(r.row)
@@ -62,9 +66,14 @@ class StepInputs:
                     s.lp_idx.extend(range(start + a - c, start + b - c))
                     s.lp_reqs.append((r, b - a))
             start += n
-            if c + n == p + len(r.output) + r.pending and r.max_new_tokens > len(r.output) + r.pending:
-                s.samplers.append(r)
-                s.logits_idx.append(start - 1)
+            if c + n == p + len(r.output) + r.pending:  # every known token computed: it samples, or reads
+                if r.max_new_tokens > len(r.output) + r.pending:
+                    s.samplers.append(r)
+                    s.logits_idx.append(start - 1)
+                elif r.reads_next_logprobs:
+                    s.readers.append(r)
+                    reader_idx.append(start - 1)
+        s.logits_idx += reader_idx
         s.num_tokens = start
         return s
 
@@ -104,7 +113,8 @@ class StepInputs:
         """The step's ForwardBatch on `device`; the new tokens' slots `loc` go into their rows of the
         req_to_token `table` (one scatter), and the tokens the step in flight drew are filled in from
         its draw `in_flight` (on the device, no wait)."""
-        every = len(self.logits_idx) == self.num_tokens  # every token samples (a decode batch): no gather
+        # every token samples (a decode batch): no gather (readers' rows go last: never in token order)
+        every = len(self.logits_idx) == self.num_tokens and not self.readers
         fb = ForwardBatch.build(self.ids, self.rows, self.prefix_lens, self.extend_lens, loc,
                                 None if every else self.logits_idx, self.lp_idx, device, cascade)  # fmt: skip
         # a decode batch has one token per row: no repeat_interleave, which may read its repeats on the host

@@ -126,6 +126,40 @@ def _close(a, b) -> bool:
     return a == b
 
 
+def test_zero_new_tokens_reads_the_next_token_logprobs(engine, hf_model, prompt_ids):
+    """max_new_tokens=0 with top / listed logprobs (SGLang's frontend reads the likely next tokens as
+    `output_top_logprobs[0]`): no output, finish length 0, one top and one ids row for the position
+    after the prompt, as HF computes it, beside a request in the same batch that draws (as SGLang,
+    `output_token_logprobs` stays empty: there is no token). No KV is left behind (the fixture's
+    integrity check)."""
+    params = [{"max_new_tokens": 0}, GREEDY, {"max_new_tokens": 0}]
+    outs = engine.generate(
+        input_ids=prompt_ids, sampling_params=params, return_text_in_logprobs=True, **ask()
+    )
+    for i in (0, 2):
+        out, ids = outs[i], prompt_ids[i]
+        meta = out["meta_info"]
+        assert out["output_ids"] == [] and out["text"] == "" and meta["completion_tokens"] == 0
+        assert meta["finish_reason"] == {"type": "length", "length": 0}
+        assert meta["output_token_logprobs"] == [] and len(meta["output_top_logprobs"]) == 1
+        row = hf_logprobs(hf_model, ids)[-1]
+        check_top(meta["output_top_logprobs"][0], row)
+        check_ids(meta["output_token_ids_logprobs"][0], row)
+        assert all(isinstance(e[2], str) for e in meta["output_top_logprobs"][0])
+    ref = hf_logprobs(hf_model, prompt_ids[1] + outs[1]["output_ids"])
+    check_against(outs[1]["meta_info"], ref, prompt_ids[1], outs[1]["output_ids"], len(prompt_ids[1]))
+    # the same row the first output token of a one-token request gets; streamed alike
+    opts = ask(return_text_in_logprobs=True)
+    one = engine.generate(input_ids=prompt_ids[0], sampling_params={**GREEDY, "max_new_tokens": 1}, **opts)
+    top = one["meta_info"]["output_top_logprobs"]
+    assert _close(outs[0]["meta_info"]["output_top_logprobs"], top)
+    chunks = list(engine.generate(input_ids=prompt_ids[0], sampling_params=params[0], stream=True, **opts))
+    assert _close(chunks[-1]["meta_info"]["output_top_logprobs"], top)
+    plain = engine.generate(input_ids=prompt_ids[0], sampling_params=params[0], return_logprob=True)
+    assert plain["meta_info"]["output_token_logprobs"] == []
+    assert "output_top_logprobs" not in plain["meta_info"]
+
+
 def test_streaming_logprobs_are_cumulative(engine, prompt_ids):
     chunks = list(
         engine.generate(

@@ -14,6 +14,8 @@ PROMPTS = [
     "<|im_start|>user\nReply with one word: is water wet?<|im_end|>\n<|im_start|>assistant\n",
     "Once upon a time, in a land far away, there lived a",
     "1, 2, 3, 4,",
+    # draws nothing: reads the next token's top logprobs (max_new_tokens 0), chunked prefill included
+    "The first letter of the alphabet is",
 ]
 PARAMS = [
     {"temperature": 0, "max_new_tokens": 12},
@@ -22,6 +24,7 @@ PARAMS = [
     {"temperature": 0, "max_new_tokens": 12, "frequency_penalty": 0.8, "presence_penalty": 0.4,
      "repetition_penalty": 1.3, "min_new_tokens": 4},
     {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [28], "ignore_eos": True},
+    {"max_new_tokens": 0},
 ]  # fmt: skip
 
 
@@ -44,6 +47,9 @@ def check_same(got, ref) -> None:
         assert g["meta_info"]["finish_reason"] == r["meta_info"]["finish_reason"]
         for key in ("output_token_logprobs", "input_token_logprobs"):
             assert close([e[0] for e in g["meta_info"][key]], [e[0] for e in r["meta_info"][key]])
+        tops = g["meta_info"]["output_top_logprobs"], r["meta_info"]["output_top_logprobs"]
+        assert [[e[1] for e in row] for row in tops[0]] == [[e[1] for e in row] for row in tops[1]]
+        assert close([e[0] for row in tops[0] for e in row], [e[0] for row in tops[1] for e in row])
 
 
 @pytest.mark.parametrize("options", [{}, {"chunked_prefill_size": 5}])
@@ -53,11 +59,13 @@ def test_overlap_matches_the_synchronous_loop(make_engine, options):
     check_same(outs, sync_outs)
     assert [o["output_ids"] for o in many] == [o["output_ids"] for o in sync_many]
     assert outs[2]["meta_info"]["finish_reason"]["type"] == "stop"  # an EOS mid-batch was exercised
+    assert outs[5]["output_ids"] == [] and len(outs[5]["meta_info"]["output_top_logprobs"]) == 1
 
 
 def test_overlap_retracts_in_a_tiny_pool(make_engine):
     """Retraction needs every token known: the step in flight is completed first."""
-    long = [{**p, "max_new_tokens": 16, "ignore_eos": True} for p in PARAMS]  # 80 tokens beside 53
+    long = [{**p, "max_new_tokens": 16, "ignore_eos": True} if p["max_new_tokens"] else p
+            for p in PARAMS]  # 80 output tokens beside 60 prompt tokens  # fmt: skip
     results = []
     for disable in (True, False):
         engine = make_engine(disable_overlap_schedule=disable, max_total_tokens=100, new_token_ratio=0.0)

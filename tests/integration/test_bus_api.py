@@ -154,3 +154,13 @@ async def test_openai_endpoints_on_the_bus_answer_as_over_http(client, nc):
         (await nc.request("sglbus.api.completions", b'{"prompt": "x", "n": 0}', timeout=30)).data
     )
     assert bad["error"]["param"] == "n" and bad["error"]["type"] == "invalid_request_error"
+
+
+async def test_zero_new_tokens_reads_the_next_token_top_logprobs(client, nc):
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "top_logprobs_num": 2}  # fmt: skip
+    out = await request(nc, body)
+    http = await asyncio.to_thread(generate, client, body)
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    (top,) = out["meta_info"]["output_top_logprobs"]
+    assert [e[1] for e in top] == [e[1] for e in http["meta_info"]["output_top_logprobs"][0]]

@@ -72,3 +72,45 @@ def test_prompt_logprobs_larger_than_the_bus_are_refused(client):
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "prompt logprobs for 599 positions" in message and "logprob_start_len" in message
+
+
+def test_zero_new_tokens_reads_the_next_token_top_logprobs(client):
+    """SGLang's zero-token gen (its frontend's cot_decoding): no output, finish length 0, and the top-k
+    next tokens as `output_top_logprobs[0]`, the same the first token of a one-token request gets;
+    `output_token_logprobs` stays empty (there is no token). The `srv` fixture checks no KV is left."""
+    ask = {"return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True}
+    zero = generate(client, {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, **ask})
+    one = generate(client, {"text": PROMPT, "sampling_params": greedy(1), **ask})
+    meta = zero["meta_info"]
+    assert zero["text"] == "" and zero["output_ids"] == [] and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["output_token_logprobs"] == [] and len(meta["output_top_logprobs"]) == 1
+    (top,) = meta["output_top_logprobs"]
+    (ref,) = one["meta_info"]["output_top_logprobs"]
+    assert [e[1:] for e in top] == [e[1:] for e in ref] and top[0][1] == one["output_ids"][0]
+    assert np.allclose([e[0] for e in top], [e[0] for e in ref], rtol=0, atol=1e-4)
+    chunks = stream(client, {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, **ask, "stream": True})
+    assert [e[1] for e in chunks[-1]["meta_info"]["output_top_logprobs"][0]] == [e[1] for e in top]
+
+
+def test_openai_max_tokens_zero_keeps_one_logprob_entry_per_token(client, tokenizer):
+    """OpenAI's completions accept max_tokens=0 (echo + logprobs scores a prompt); the next position's
+    row the scheduler sends stays out of OpenAI's per-token lists."""
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    lp = choice["logprobs"]
+    n = len(tokenizer.encode(PROMPT))
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+    assert r.json()["usage"]["completion_tokens"] == 0
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] == {"content": []}

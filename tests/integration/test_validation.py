@@ -150,25 +150,42 @@ def test_bad_input_is_400_when_streaming_too(client, stream):
     assert_400(r, ["top_p"])
 
 
+def assert_413(r) -> str:
+    """Payload Too Large, in the native error shape, naming the limit (not the 400 of a wrong body)."""
+    assert r.status_code == 413, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["code"] == 413 and "body" in err["message"]
+    assert f"limit of {MAX_BODY_BYTES} bytes" in err["message"], err["message"]
+    return err["message"]
+
+
 def test_body_over_the_size_limit(client):
     assert MAX_BODY_BYTES == 1 << 20
     ids = json.dumps(list(range(100, 100 + 200_000)))  # ~1.4 MB of JSON, 2 MiB padded
     body = ('{"input_ids": ' + ids + "}").encode().ljust(2 << 20)
-    msg = assert_400(post(client, body), ["limit", str(MAX_BODY_BYTES)])
-    assert "body" in msg
+    assert_413(post(client, body))
+
+
+def chunks():
+    """A chunked upload declares no length; the limit still holds while reading."""
+    yield b'{"text": "'
+    for _ in range(32):
+        yield b"a" * (64 << 10)
+    yield b'"}'
 
 
 def test_body_over_the_size_limit_without_content_length(client):
-    """A chunked upload declares no length; the limit still holds while reading."""
-
-    def chunks():
-        yield b'{"text": "'
-        for _ in range(32):
-            yield b"a" * (64 << 10)
-        yield b'"}'
-
     r = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
-    assert_400(r, ["limit", str(MAX_BODY_BYTES)])
+    assert_413(r)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_openai_bodies_over_the_size_limit_get_openai_413s(client, path):
+    for body in (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', chunks()):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and f"limit of {MAX_BODY_BYTES} bytes" in err["message"]
 
 
 SGLANG_SAMPLING_PARAMS = [

@@ -87,6 +87,36 @@ def test_fork_and_vote(backend, engine):
     )
 
 
+def test_zero_token_gen_reads_the_next_token_top_logprobs(backend, engine):
+    """SGLang's cot_decoding example, short: `gen(max_tokens=0, return_logprob=True, top_logprobs_num=k)`
+    reads the k likely next tokens as `get_meta_info(name)["output_top_logprobs"][0]`, and each fork
+    goes on from one of them."""
+
+    @sgl.function
+    def top_k_paths(s, question, k):
+        s += "Question: " + question + "\nAnswer:"
+        step_0 = s.fork(1)[0]
+        forks = s.fork(k)
+        step_0 += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=k,
+                          return_text_in_logprobs=True)  # fmt: skip
+        top = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
+        for f, (_logprob, _token_id, text) in zip(forks, top, strict=True):
+            f += text + sgl.gen("answer", max_tokens=3, temperature=0)
+        return step_0, top, [f["answer"] for f in forks]
+
+    state = top_k_paths.run(question="What is the capital of France?", k=3)
+    assert state.error() is None, state.error()
+    step_0, top, answers = state.ret_value
+    meta = step_0.get_meta_info("get_top_k")
+    assert step_0["get_top_k"] == "" and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert len(top) == 3 and [t[0] for t in top] == sorted((t[0] for t in top), reverse=True)
+    assert all(isinstance(text, str) for _, _, text in top) and len(answers) == 3
+    greedy = engine.generate("Question: What is the capital of France?\nAnswer:",
+                             {"max_new_tokens": 1, "temperature": 0})  # fmt: skip
+    assert top[0][1] == greedy["output_ids"][0]
+
+
 def test_forks_run_concurrently(backend):
     seen: list[str] = []
 

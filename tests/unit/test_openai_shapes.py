@@ -211,3 +211,43 @@ def test_streamed_completion_logprobs_follow_the_text_offsets_after_an_echo():
     assert echo["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.125]
     lp = xy["choices"][0]["logprobs"]
     assert xy["choices"][0]["text"] == "xy" and lp["tokens"] == ["x", "y"] and lp["text_offset"] == [2, 3]
+
+
+def test_a_zero_token_request_keeps_one_entry_per_token():
+    """max_tokens=0 with logprobs: the scheduler sends the next position's top row without a token
+    (SGLang's `output_top_logprobs[0]`, in /generate's meta_info); OpenAI's lists stay one entry per
+    token: the echoed prompt's with echo, none without."""
+    st = result("", n_tokens=0, finish=Length(0), lp=True, echo=True)
+    st.logprobs = LogprobAccumulator(st.logprobs.opts, PROMPT, st.logprobs.text_of)
+    nxt = Rows(np.zeros(0, np.float32), np.array([[-0.25, -2.0]], np.float32), np.array([[7, 9]], np.int32),
+               _NO_IDS[:1])  # fmt: skip
+    inp = Rows(np.array([-0.125], np.float32), np.array([[-0.125, -3.0]], np.float32),
+               np.array([[2, 9]], np.int32), _NO_IDS[:1])  # fmt: skip
+    st.logprobs.add(pack([inp], [nxt]))
+    meta = st.logprob_meta()
+    assert meta["output_token_logprobs"] == [] and meta["output_top_logprobs"] == [
+        [[-0.25, 7, ""], [-2.0, 9, "z"]]
+    ]
+    echo = parse_completion({"prompt": "ab", "echo": True, "logprobs": 2, "max_tokens": 0}, MODELS)
+    (choice,) = completion_response(echo, [st], ["ab"], 0)["choices"]
+    assert choice["text"] == "ab" and choice["logprobs"]["tokens"] == ["a", "b"]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"b": -0.125, "z": -3.0}]
+    plain = parse_completion({"prompt": "ab", "logprobs": 2, "max_tokens": 0}, MODELS)
+    (choice,) = completion_response(plain, [st], ["ab"], 0)["choices"]
+    assert choice["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    body = {
+        "messages": [{"role": "user", "content": "q"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_tokens": 0,
+    }
+    (choice,) = chat_response(parse_chat(body, MODELS, render), [st], 0)["choices"]
+    assert choice["logprobs"] == {"content": []} and choice["finish_reason"] == "length"
+    for req in (echo, parse_chat({**body, "stream": True}, MODELS, render)):
+        shaper = StreamShaper(req, ["ab"])
+        st.sent_rows = st.sent_ids = st.sent_text = 0
+        st.sent_input = False
+        for chunk in shaper.chunks(st.delta()):
+            lp = chunk["choices"][0]["logprobs"] if chunk["choices"] else None
+            if lp and "tokens" in lp:
+                assert len(lp["top_logprobs"]) == len(lp["tokens"])

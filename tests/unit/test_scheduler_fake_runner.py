@@ -8,6 +8,7 @@ import math
 from types import SimpleNamespace
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -73,9 +74,12 @@ def msg(rid: str, prompt: list[int], logprob: LogprobReq | None = None, **params
     return GenerateReq(rid=rid, input_ids=prompt, sampling=sp, out_subject="out", logprob=logprob)
 
 
-def run(sched: Scheduler, max_steps: int = 500, early: bool = True) -> dict[str, dict]:
+def run(
+    sched: Scheduler, max_steps: int = 500, early: bool = True, logprobs: dict[str, list] | None = None
+) -> dict[str, dict]:
     """Step until idle; per rid: its tokens and finish reason. early: output also comes through
-    `send_early`, as the service steps (it matters under overlap scheduling only)."""
+    `send_early`, as the service steps (it matters under overlap scheduling only). logprobs: filled
+    with each rid's LogprobOut messages."""
     got: dict[str, dict] = {}
 
     def collect(out) -> None:
@@ -83,6 +87,9 @@ def run(sched: Scheduler, max_steps: int = 500, early: bool = True) -> dict[str,
             entry = got.setdefault(rid, {"tokens": [], "finish": None})
             entry["tokens"] += toks
             entry["finish"] = as_dict(fin) or entry["finish"]  # as /generate shows it
+        for rid, lp in zip(out.rids, out.logprobs, strict=False):  # [] when none asked
+            if logprobs is not None and lp is not None:
+                logprobs.setdefault(rid, []).append(lp)
 
     if (out := sched.take_output()) is not None:
         collect(out)
@@ -415,3 +422,66 @@ def test_a_late_redelivery_of_a_running_request_is_not_taken_for_a_poison_reques
     assert got["here"]["finish"] == {"type": "length", "length": 4}
     assert got["crashed"]["tokens"] == [] and got["crashed"]["finish"]["status_code"] == 500
     assert "delivered 4 times" in got["crashed"]["finish"]["message"]
+
+
+def output_side(parts: list) -> dict[str, np.ndarray]:
+    dtypes = {"token": "<f4", "top_val": "<f4", "top_idx": "<i4", "ids_val": "<f4"}
+    return {
+        k: np.concatenate([np.frombuffer(getattr(p, f"output_{k}"), dtype=d) for p in parts])
+        for k, d in dtypes.items()
+    }
+
+
+def test_a_zero_token_request_reads_the_next_token_logprobs_and_draws_nothing():
+    """max_new_tokens=0 with top or listed logprobs (SGLang's frontend reads `output_top_logprobs[0]`
+    of such a gen): one output row for the position after the prompt, no token, no KV past the prompt,
+    beside requests that sample, whose logits rows it must not take."""
+    sched = make()
+    y, z = [5, 6, 7, 8], [20, 21, 22, 23]
+    sched.add_request(msg("warm_y", y, max_new_tokens=1))
+    sched.add_request(msg("warm_z", z, max_new_tokens=1))
+    run(sched)
+    # both prompts cached: each request below extends by its last token only, a step of one-token rows
+    # in which the reader comes first (its logits row is the last one: not in token order)
+    sched.add_request(msg("peek", y, LogprobReq(top_k=3, token_ids=[1, 40]), max_new_tokens=0))
+    sched.add_request(msg("draw", z, max_new_tokens=2))
+    lps: dict[str, list] = {}
+    got = run(sched, logprobs=lps)
+    assert got["draw"]["tokens"] == expected(z, 2)
+    sched.add_request(msg("fresh", [30, 31, 32], LogprobReq(top_k=2), max_new_tokens=0))  # a prefill
+    sched.add_request(msg("plain", [40, 41], max_new_tokens=0))
+    sched.add_request(msg("no_top", [44, 45], LogprobReq(), max_new_tokens=0))
+    sched.add_request(msg("beside", [50, 51], max_new_tokens=1))
+    got.update(run(sched, logprobs=lps))
+    assert got["beside"]["tokens"] == expected([50, 51], 1)
+    for rid in ("peek", "fresh", "plain", "no_top"):
+        assert got[rid] == {"tokens": [], "finish": {"type": "length", "length": 0}}, rid
+    peek, fresh = output_side(lps["peek"]), output_side(lps["fresh"])
+    assert len(peek["token"]) == len(fresh["token"]) == 0  # no token, so no token logprob
+    assert peek["top_idx"].tolist()[0] == 9 and len(peek["top_idx"]) == 3  # the fake model's next: 8 + 1
+    assert peek["top_val"][0] > peek["top_val"][1] and len(peek["ids_val"]) == 2
+    assert fresh["top_idx"].tolist()[0] == 33 and len(fresh["top_idx"]) == 2
+    assert "no_top" not in lps or len(output_side(lps["no_top"])["top_idx"]) == 0
+    assert "plain" not in lps
+    assert sched.stats["generated_tokens"] == 2 + 2 + 1  # none for the readers
+
+
+def test_next_token_logprobs_that_raise_for_one_request_end_that_request_alone(monkeypatch):
+    sched = make()
+    real = logprobs_module.output_rows
+
+    def output_rows(lp, sampled, top_ks, token_ids):
+        if 7 in top_ks:
+            raise IndexError("bad top_k")
+        return real(lp, sampled, top_ks, token_ids)
+
+    monkeypatch.setattr(logprobs_module, "output_rows", output_rows)
+    sched.add_request(msg("lp", [5, 6], LogprobReq(top_k=2), max_new_tokens=0))
+    sched.add_request(msg("bad", [8, 9], LogprobReq(top_k=7), max_new_tokens=0))
+    sched.add_request(msg("plain", [10, 11]))
+    lps: dict[str, list] = {}
+    got = run(sched, logprobs=lps)
+    assert got["lp"]["finish"] == {"type": "length", "length": 0}
+    assert output_side(lps["lp"])["top_idx"].tolist()[0] == 7
+    assert got["plain"]["tokens"] == expected([10, 11])
+    assert got["bad"]["finish"]["status_code"] == 500 and "logprobs" in got["bad"]["finish"]["message"]
