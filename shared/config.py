@@ -97,6 +97,11 @@ class EngineConfig:
     request_ack_wait: float = option(
         30.0, "seconds; a request its scheduler stopped keeping alive is delivered again to another one"
     )
+    gateway_timeout: float = option(
+        10.0,
+        "seconds; a gateway whose heartbeat stopped this long is gone (its clients with it): schedulers "
+        "drop its requests. Not counted while the scheduler or the bus itself stalled",
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -114,6 +119,7 @@ class EngineConfig:
         need(self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests >= 1")
         need(0 <= self.new_token_ratio <= 1, "new_token_ratio must be in [0, 1]")
         need(self.request_ack_wait > 0, "request_ack_wait must be > 0")
+        need(self.gateway_timeout > 0, "gateway_timeout must be > 0")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:

@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from shared.gc_freeze import freeze_startup_objects
 from shared.nats_transport import BusAuth, NatsTransport
+from shared.watchdog import start_watchdog
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -123,7 +124,8 @@ class Service(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
-    # optional: `async def wait_failed(self) -> str`, returning why once the service cannot go on
+    # optional: `async def wait_failed(self) -> str`, returning why once the service cannot go on;
+    # `def stalled_for(self) -> float`, seconds its own work has gone without progress (the watchdog's)
 
 
 async def connect(nats_url: str, name: str, auth: BusAuth | None = None) -> NatsTransport:
@@ -150,6 +152,7 @@ async def serve_on_bus(
     await service.start()
     freeze_startup_objects()  # no full-collection stalls of the running service (shared/gc_freeze.py)
     logging.getLogger(name).info("%s ready", name)
+    watchdog = start_watchdog(getattr(service, "stalled_for", None))  # under `sglbus serve`
     stopped = asyncio.ensure_future(wait_for_signal())
     failed = asyncio.ensure_future(service.wait_failed()) if hasattr(service, "wait_failed") else None
     await asyncio.wait([t for t in (stopped, failed) if t is not None], return_when=asyncio.FIRST_COMPLETED)
@@ -157,6 +160,8 @@ async def serve_on_bus(
     for task in (stopped, failed):
         if task is not None:
             task.cancel()
+    if watchdog is not None:
+        watchdog.stop()
     await shutdown(name, service.stop(), transport)
     if reason is not None:  # exit non-zero: a supervisor (sglbus serve, compose) restarts the process
         raise ServiceExit(f"{name} failed: {reason}", exit_code=1)

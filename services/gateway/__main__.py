@@ -1,17 +1,24 @@
-"""`python -m services.gateway --nats-url ... --port 30000`: the HTTP API and the bus API."""
+"""`python -m services.gateway --nats-url ... --port 30000`: the HTTP API and the bus API.
+
+SIGTERM / SIGINT drain it: new requests get a 503, those in flight may finish for up to
+--shutdown-timeout seconds and the rest end with an error saying so (Gateway.drain); a second signal
+ends the drain at once. Only then does uvicorn close the port and the connections."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
+from collections.abc import Iterator
 
 import uvicorn
 
 from services.gateway.config import GatewayConfig
 from services.gateway.http_app import build_app
-from services.gateway.service import Gateway
+from services.gateway.service import ANSWER_S, Gateway
 from shared.config import add_cli_args, cli_overrides, from_env
 from shared.gc_freeze import freeze_startup_objects
 from shared.model_config import ModelConfig
@@ -29,6 +36,7 @@ from shared.service_main import (
     shutdown,
 )
 from shared.tokenizer import load_tokenizer
+from shared.watchdog import start_watchdog
 
 log = logging.getLogger("services.gateway")
 _READY_POLL_S = 0.1
@@ -40,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_args(parser)
     add_cli_args(parser, GatewayConfig)
     return parser
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gateway drains first (main), then sets should_exit.
+    (uvicorn's handlers would begin its shutdown at once, give requests timeout_graceful_shutdown,
+    then raise the signal again, ending the process before the gateway could stop.)"""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:
@@ -83,22 +101,46 @@ def main(argv: list[str] | None = None) -> None:
         )
         await gateway.start()
         freeze_startup_objects()  # no full-collection stalls of the HTTP loop (shared/gc_freeze.py)
-        server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port,
-                                               log_level="warning", timeout_graceful_shutdown=5))  # fmt: skip
-        sockets = None
-        if cfg.reuse_port:
-            # join the shared port only once this gateway can serve: the kernel hands a connection to
-            # any socket bound to it, and one that is still starting would answer 503 beside one that
-            # is ready (serve prints its URL at the first 200, as a gateway restarted later would)
-            while not gateway.ready:
-                await asyncio.sleep(_READY_POLL_S)
-            sockets = [shared_port_socket(cfg.host, cfg.port)]
-        log.info("gateway listening on http://%s:%d%s", cfg.host, cfg.port,
-                 " (API key required)" if cfg.api_key else "")  # fmt: skip
-        await server.serve(sockets)  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
-        await shutdown("gateway", gateway.stop(), transport)
+        stop, now = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: (now if stop.is_set() else stop).set())
+        watchdog = start_watchdog()  # `sglbus serve` restarts a gateway whose event loop stops
+        try:
+            await _serve(cfg, gateway, stop, now)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+            await shutdown("gateway", gateway.stop(), transport)
 
     run("gateway", amain, args.log_level)
+
+
+async def _serve(cfg: GatewayConfig, gateway: Gateway, stop: asyncio.Event, now: asyncio.Event) -> None:
+    """HTTP until `stop` is set, then the drain, then uvicorn's shutdown (the responses of the requests
+    the drain ended go out within ANSWER_S)."""
+    server = _Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port, log_level="warning",
+                                    timeout_graceful_shutdown=ANSWER_S))  # fmt: skip
+    sockets = None
+    if cfg.reuse_port:
+        # join the shared port only once this gateway can serve: the kernel hands a connection to
+        # any socket bound to it, and one that is still starting would answer 503 beside one that
+        # is ready (serve prints its URL at the first 200, as a gateway restarted later would)
+        while not gateway.ready and not stop.is_set():
+            await asyncio.sleep(_READY_POLL_S)
+        if stop.is_set():
+            return
+        sockets = [shared_port_socket(cfg.host, cfg.port)]
+    log.info("gateway listening on http://%s:%d%s", cfg.host, cfg.port,
+             " (API key required)" if cfg.api_key else "")  # fmt: skip
+    serving = asyncio.ensure_future(server.serve(sockets))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not serving.done():
+        await gateway.drain(cfg.shutdown_timeout, now)
+        server.should_exit = True
+    await serving  # uvicorn's own failure (it exits on a port it cannot bind) is raised here
 
 
 if __name__ == "__main__":

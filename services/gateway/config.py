@@ -46,6 +46,11 @@ class GatewayConfig:
     health_generate_timeout: float = option(
         30.0, "seconds allowed for the 1-token generation of /health_generate"
     )
+    shutdown_timeout: float = option(
+        20.0,
+        "seconds a SIGTERM / SIGINT lets in-flight requests finish (new ones get a 503 meanwhile); those "
+        "still running then end with an error saying so. `sglbus serve` gives its gateways this long",
+    )
     api_key: str | None = option(
         None,
         "when set, every HTTP route but /health and /health_generate needs `Authorization: Bearer <key>`; "
@@ -64,3 +69,5 @@ class GatewayConfig:
             raise ValueError("worker_timeout must be > 0")
         if self.recovery_timeout <= 0:
             raise ValueError("recovery_timeout must be > 0")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError("shutdown_timeout must be >= 0")

@@ -20,7 +20,7 @@ import sglbus
 from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, parse_generate_input
-from services.gateway.http_util import json_response, read_json, wait_or_disconnect
+from services.gateway.http_util import BodyTooLarge, json_response, read_json, wait_or_disconnect
 from services.gateway.metrics import metrics_route
 from services.gateway.openai_api import openai_error, openai_routes
 from services.gateway.openai_errors import OpenAIError
@@ -77,6 +77,8 @@ def build_app(gw: Gateway) -> Starlette:
         try:
             req = await read_request(request, limit, gw.requests.bodies)
             states = await gw.requests.submit(req)
+        except BodyTooLarge as e:
+            return error(str(e), e.status)
         except ValueError as e:
             return error(str(e), 400)
         except BusUnavailable as e:  # nothing was accepted: the client may simply retry
@@ -92,10 +94,11 @@ def build_app(gw: Gateway) -> Starlette:
         return json_response(sglang_shape.results(done, req.is_batch))
 
     async def health(request: Request) -> Response:
-        return Response(status_code=200) if gw.ready else error(gw.why_down(), 503)
+        serving = gw.ready and gw.draining is None  # a gateway shutting down says so: 503
+        return Response(status_code=200) if serving else error(gw.why_down(), 503)
 
     async def health_generate(request: Request) -> Response:
-        if not gw.ready:
+        if not gw.ready or gw.draining is not None:
             return error(gw.why_down(), 503)
         probe = parse_generate_input(
             {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
@@ -136,6 +139,8 @@ def build_app(gw: Gateway) -> Starlette:
     async def abort_request(request: Request) -> Response:
         try:
             obj = await read_json(request, limit)
+        except BodyTooLarge as e:
+            return error(str(e), e.status)
         except ValueError as e:
             return error(str(e), 400)
         if not isinstance(obj, dict) or (not obj.get("abort_all") and not isinstance(obj.get("rid"), str)):

@@ -32,7 +32,7 @@ from services.gateway.request_state import Delta, RequestState
 from shared.finish import Abort, describe
 from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
-from shared.transport import ACK, Message, Subjects, Subscription, Transport
+from shared.transport import ACK, BusUnavailable, Message, Subjects, Subscription, Transport
 
 T = TypeVar("T")
 
@@ -40,6 +40,13 @@ if TYPE_CHECKING:
     from services.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
+
+
+class NotAccepting(BusUnavailable):
+    """The gateway takes no new requests (it is shutting down): answered 503, as a bus that cannot take
+    one; the client may retry elsewhere or later."""
+
+
 # prompts longer than this (characters or ids) are tokenized and checked on a thread
 _OFF_LOOP_LEN = 8192
 
@@ -70,6 +77,7 @@ class RequestManager:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.bodies = BodyParser(vocab_size)
         self.metrics: GatewayMetrics | None = None  # the gateway's /metrics (the offline Engine has none)
+        self.refusing: str | None = None  # why new requests are refused (shutting down), or None
 
     @property
     def context_len(self) -> int | None:
@@ -108,6 +116,7 @@ class RequestManager:
         leaves it in the prefix cache and computes the prompt logprobs, if asked, for all samples;
         then, once it ended, its n samples `{rid}_{j}`, with seeds derived from sampling_seed. The
         states returned are the samples'."""
+        self._check_accepting()
         prompts = [
             dataclasses.replace(p, text=None, input_ids=await self._checked_ids(p)) for p in req.prompts
         ]
@@ -123,6 +132,10 @@ class RequestManager:
                 samples = [dataclasses.replace(s, logprob=shared) for s in samples]
             groups.append([warm, *samples])
         return [st for group in await self._publish(groups) for st in group[1:]]
+
+    def _check_accepting(self) -> None:
+        if self.refusing is not None:
+            raise NotAccepting(self.refusing)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the tokenizer's threads, so the event loop keeps answering meanwhile."""
@@ -173,6 +186,7 @@ class RequestManager:
         """Each group is one message for one scheduler: its first request, and the others to run there
         after it (`GenerateReq.then`); a request with `input_shared` logprobs takes its prompt's from
         the first."""
+        self._check_accepting()  # again: tokenizing may have outlasted the start of a shutdown
         states: list[list[RequestState]] = []
         msgs, rids = [], set()
         for group in groups:

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -26,6 +27,7 @@ from shared.transport import Message, Subjects, Subscription, Transport
 log = logging.getLogger(__name__)
 _CTL_TIMEOUT_S = 5.0  # a live scheduler that has not answered a control request by then is reported
 _LOST_CHECK_S = 5.0  # requests without output for this long are checked against the scheduler
+ANSWER_S = 5.0  # after a drain, for the responses of the requests it ended to go out
 
 
 class Gateway:
@@ -43,6 +45,7 @@ class Gateway:
         self._reports: dict[str, dict[str, Any]] = {}  # scheduler worker -> metrics of its last heartbeat
         self._dead_since: float | None = None  # when the last live pipeline went quiet
         self._subs: list[Subscription] = []
+        self._api_subs: list[Subscription] = []  # the bus API's: left first when shutting down
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
         self.served_model_name = (
@@ -66,7 +69,7 @@ class Gateway:
         for subject, handler in ((s.api_generate, self.bus_api.on_request),
                                  (s.api_completions, self.bus_api.on_completion),
                                  (s.api_chat_completions, self.bus_api.on_chat_completion)):  # fmt: skip
-            self._subs.append(await self.transport.subscribe(subject, handler, queue="gateways"))
+            self._api_subs.append(await self.transport.subscribe(subject, handler, queue="gateways"))
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._watch_workers()),
@@ -78,11 +81,43 @@ class Gateway:
         await self._heartbeat.stop()
         for t in self._tasks:
             t.cancel()
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await self._leave(self._api_subs)
+        await self._leave(self._subs)
         await self.bus_api.stop()
         await self.requests.stop()
+
+    @staticmethod
+    async def _leave(subs: list[Subscription]) -> None:
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        subs.clear()
+
+    @property
+    def draining(self) -> str | None:
+        """Why no new request is taken (the gateway is shutting down), or None."""
+        return self.requests.refusing
+
+    async def drain(self, timeout: float, now: asyncio.Event) -> None:
+        """The graceful part of a shutdown: new requests get a 503 naming the reason (and /health too, so
+        a load balancer stops sending), the bus API's subjects are left (other gateways take them), and
+        the requests in flight may finish, for at most `timeout` seconds or until `now` is set (a
+        second signal). Those still running then end with an error that says so (a JSON error; a
+        stream's error event, then its end), and their schedulers are told to stop them."""
+        self.requests.refusing = "the server is shutting down and takes no new requests"
+        await self._leave(self._api_subs)
+        if self.requests.in_flight:
+            log.info("shutting down: %d requests in flight may finish within %g s",
+                     self.requests.in_flight, timeout)  # fmt: skip
+        await _until(lambda: not self.requests.in_flight, timeout, now)
+        rids = self.requests.active_rids()
+        if rids:
+            why = "the drain was cut short" if now.is_set() else f"the {timeout:g} s drain (shutdown_timeout)"
+            message = f"the server is shutting down: the request did not finish within {why}"
+            log.warning("shutting down: ending %d requests still running", len(rids))
+            self.requests.fail(message, rids)
+            await self.requests.abort(rids)
+            await _until(lambda: not self.requests.in_flight, ANSWER_S)  # their answers go out
 
     # -- control plane ------------------------------------------------------------------------
     def live_schedulers(self) -> list[str]:
@@ -161,6 +196,8 @@ class Gateway:
     def why_down(self) -> str:
         """What /health and failed requests say when no pipeline is alive: the bus itself, or the
         workers whose heartbeats stopped."""
+        if self.draining is not None:
+            return self.draining
         if not self.transport.is_connected:
             return "the NATS bus is unreachable (the gateway is reconnecting to it)"
         if self.scheduler_info is None:
@@ -269,3 +306,10 @@ class Gateway:
             "model_type": "llama",
             "architectures": [self.model.architecture],
         }
+
+
+async def _until(done: Callable[[], bool], timeout: float, cut: asyncio.Event | None = None) -> None:
+    """Until done(), `timeout` seconds passed, or `cut` is set."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline and not (cut is not None and cut.is_set()):
+        await asyncio.sleep(0.05)

@@ -40,8 +40,6 @@ _IDLE_CHECK_S = 1.0  # an idle scheduler checks KV integrity after this long wit
 # a request delivered this many times took every scheduler that ran it down with it: refuse it
 MAX_DELIVERIES = 3
 _ABORTED_KEPT = 10_000  # rids aborted lately: an abort can overtake its request on the bus
-# a gateway silent this long is gone: nobody will read (or acknowledge) its requests' output
-GATEWAY_TIMEOUT_S = 10.0
 
 
 class SchedulerService:
@@ -67,6 +65,7 @@ class SchedulerService:
         self._last_beat = time.monotonic()  # the last heartbeat of anyone (our own included)
         self._detok: tuple[str, float] | None = None  # our detokenizer's instance and its last heartbeat
         self._started = time.monotonic()
+        self._turned = time.monotonic()  # when the step thread last began a turn of its loop
         self.metrics = SchedulerMetrics()  # built on the scheduler thread, sent with each heartbeat
 
     async def start(self) -> None:
@@ -92,6 +91,13 @@ class SchedulerService:
         self._heartbeat.start()
         self._tasks += [self._loop.create_task(self._keep_deliveries_alive()),
                        self._loop.create_task(self._drop_orphans())]  # fmt: skip
+
+    def stalled_for(self) -> float:
+        """Seconds the step thread has been in its current turn (one step, or a wait of at most a
+        second when idle): what `sglbus serve`'s watchdog judges besides the event loop's beat."""
+        if self._thread is None or not self._thread.is_alive() or self._stop.is_set():
+            return 0.0
+        return time.monotonic() - self._turned
 
     async def wait_failed(self) -> str:
         """Returns (never raises) once the step thread died: why, for the log and the exit status."""
@@ -198,7 +204,7 @@ class SchedulerService:
     def _orphaned(self, out_subject: str) -> bool:
         """The gateway that waits for this output was seen, and has been silent for too long."""
         seen = self._gateways.get(out_subject)
-        return seen is not None and time.monotonic() - seen > GATEWAY_TIMEOUT_S
+        return seen is not None and time.monotonic() - seen > self.cfg.gateway_timeout
 
     async def _drop_orphans(self) -> None:
         """Requests whose gateway died (its clients are gone with it) stop here and leave the work
@@ -206,11 +212,11 @@ class SchedulerService:
         while this process hears the bus: after a stall of its own (stopped, swapped out) or of the
         bus (no heartbeat from anyone), every gateway's clock starts again instead, since none of
         them could have been heard meanwhile."""
-        last = time.monotonic()
+        last, timeout = time.monotonic(), self.cfg.gateway_timeout
         while True:
-            await asyncio.sleep(GATEWAY_TIMEOUT_S / 4)
+            await asyncio.sleep(timeout / 4)
             now = time.monotonic()
-            stalled = now - last > GATEWAY_TIMEOUT_S / 2 or now - self._last_beat > 3 * INTERVAL_S
+            stalled = now - last > timeout / 2 or now - self._last_beat > 3 * INTERVAL_S
             last = now
             if stalled:
                 self._gateways = dict.fromkeys(self._gateways, now)
@@ -297,6 +303,7 @@ class SchedulerService:
         # are other processes, and the output goes at once
         early = self._send if self.transport.in_process else None
         while not self._stop.is_set():
+            self._turned = time.monotonic()
             self._drain()
             self.metrics.refresh(sched)
             if sched.has_work:

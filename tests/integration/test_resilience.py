@@ -1,9 +1,9 @@
 """Faults with real processes, on servers of their own: NATS restarting (or killed) under the services,
-and a worker killed while requests are in flight. Requests travel through a work queue that keeps them
-until the gateway has their output, so every accepted JSON request completes with the right output
-after the fault; a stream that already sent tokens ends with an error naming what failed; the
-scheduler's KV stays consistent. The tests restart what they kill (`sglbus serve` does it by itself:
-tests/integration/test_serve.py)."""
+a worker killed, or stalled, while requests are in flight. Requests travel through a work queue that
+keeps them until the gateway has their output, so every accepted JSON request completes with the
+right output after the fault; a stream that already sent tokens ends with an error naming what failed;
+the scheduler's KV stays consistent. The tests restart what they kill (`sglbus serve` does it by
+itself: tests/integration/test_serve.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ from it_helpers import PROMPT, generate, greedy, same_output
 WORKER_TIMEOUT_S = 2.0  # the gateway's liveness timeout where workers get killed
 NATS_TESTS_WORKER_TIMEOUT_S = 5.0  # a short NATS outage must not count as a dead worker
 ACK_WAIT_S = 4.0  # deliveries a dead scheduler held come back after this long
+# the schedulers' window for a silent gateway where the scheduler stalls (10 s by default: the same
+# test then needs a stall of 30 s), and a stall well past it
+GATEWAY_TIMEOUT_S = 3.0
+STALL_S = 3 * GATEWAY_TIMEOUT_S
 LONG = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}
 
 pytestmark = pytest.mark.slow
@@ -50,6 +54,16 @@ def nats_restarts() -> Iterator[ServerProcs]:
 @pytest.fixture(scope="module")
 def worker_deaths() -> Iterator[ServerProcs]:
     yield from _own_server(WORKER_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def stalls() -> Iterator[ServerProcs]:
+    """The default liveness and redelivery times, a short gateway window in the scheduler."""
+    s = start_server(env={"SGLBUS_GATEWAY_TIMEOUT": str(GATEWAY_TIMEOUT_S)})
+    try:
+        yield s
+    finally:
+        s.stop()
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 0.2) -> Any:
@@ -333,3 +347,27 @@ def test_gateway_killed_its_requests_stop_in_the_scheduler(worker_deaths):
     assert info["stats"]["generated_tokens"] - before < 1500, "the orphan ran to its end"
     out = generate(s.http, {"text": PROMPT, "sampling_params": greedy(4, ignore_eos=True)})
     assert out["meta_info"]["completion_tokens"] == 4
+
+
+def test_scheduler_stall_keeps_every_accepted_request(stalls):
+    """SIGSTOP of the scheduler for longer than its window for a silent gateway, then SIGCONT: it heard
+    no gateway heartbeat meanwhile, yet it must not take the gateway for dead and drop its requests as
+    orphans (before 67d0d4f a 15 s stall lost every accepted request to a 503 ~90 s later). Requests
+    accepted before the stall (running) and during it (waiting in the work queue) all complete with
+    the right output."""
+    s = stalls
+    sched = s.procs["scheduler"]
+    before, during = load(2, 60), load(2, 8)
+    with ThreadPoolExecutor(len(before) + len(during)) as pool:
+        futs = [pool.submit(post_json, s.url, b) for b in before]
+        wait_until(lambda: s.info()["stats"]["generated_tokens"] > 0 and s.info()["num_running_reqs"] == 2,
+                   30, "requests running", poll=0.05)  # fmt: skip
+        sched.send_signal(signal.SIGSTOP)
+        try:
+            futs += [pool.submit(post_json, s.url, b) for b in during]
+            time.sleep(STALL_S)  # the requests above are accepted (published) meanwhile
+        finally:
+            sched.send_signal(signal.SIGCONT)
+        results = [f.result(timeout=180) for f in futs]
+    check_all_complete(s, before + during, results)
+    s.settle(30)

@@ -1,5 +1,6 @@
 """`sglbus serve` as a user runs it: one process that starts NATS and the three services, guards the
-bus with a token, restarts what dies, stops in order on Ctrl-C, and refuses a bad model in one line.
+bus with a token, restarts what dies or hangs, drains and stops in order on Ctrl-C / SIGTERM, and
+refuses a bad model in one line.
 
 One served instance is shared by the module and the tests run in file order: the last one stops it.
 """
@@ -15,8 +16,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -36,6 +39,11 @@ RESTORE_TIMEOUT_S = 30.0
 API_KEY = "test-api-key"
 SERVICES = ("gateway", "scheduler", "detokenizer")
 GATEWAYS = 2
+# the watchdog of the shared instance: well above any step of these tests' small requests, even on a
+# busy 2-core box (a 2048-token prefill takes ~4 s on two idle cores)
+WATCHDOG_S = 10.0
+DRAIN_S = 10.0  # --shutdown-timeout of the drain test
+LONG = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}  # never done within DRAIN_S on CPU
 
 
 def private_cache() -> str:
@@ -119,7 +127,8 @@ class Served:
 def served() -> Iterator[Served]:
     cache = private_cache()
     # two gateways behind the port, as on a GPU host (the default there: one per 8 cores)
-    s = Served(cache, args=["--tokenizer-worker-num", str(GATEWAYS)], env={"SGLBUS_API_KEY": API_KEY})
+    args = ["--tokenizer-worker-num", str(GATEWAYS), "--watchdog-timeout", str(WATCHDOG_S)]
+    s = Served(cache, args=args, env={"SGLBUS_API_KEY": API_KEY})
     try:
         s.wait_serving()
         yield s
@@ -270,7 +279,102 @@ def test_a_killed_nats_server_is_restarted_on_its_port_with_its_token(served: Se
     assert asyncio.run(bus_generate(f"nats://127.0.0.1:{served.nats_port}", token_of(served)))
 
 
+def read_sse(
+    http: httpx.Client, path: str, body: dict[str, Any], first: threading.Event
+) -> list[tuple[float, str]]:
+    """A streamed request: each data payload with when it arrived; `first` is set at the first."""
+    out = []
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line:
+                out.append((time.monotonic(), line.removeprefix("data: ")))
+                first.set()
+    return out
+
+
+@pytest.mark.slow
+def test_a_hung_scheduler_is_killed_and_restarted(served: Served) -> None:
+    """kill -STOP: the scheduler is alive but nothing moves. A stream it was running ends with an error
+    naming it (the gateway's liveness window); the watchdog kills it after --watchdog-timeout and it is
+    restarted as after a crash (what it held goes back to the work queue: kill -9 in
+    test_resilience.py), and the server serves again."""
+    old = served.child("scheduler")
+    streaming = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(read_sse, served.http, "/generate", {"text": "Hi", "sampling_params": LONG},
+                             streaming)  # fmt: skip
+        assert streaming.wait(60), "the stream never started"
+        old.suspend()
+        payloads = [p for _, p in stream.result(timeout=120)]
+    assert payloads[-1] == "[DONE]"
+    error = orjson.loads(payloads[-2])["error"]
+    assert "scheduler" in error["message"] and error["code"] == 503, error
+    wait_until(lambda: served.child("scheduler").pid != old.pid, WATCHDOG_S + 60, "a new scheduler")
+    wait_until(lambda: served.generate().status_code == 200, 120, "/generate after the restart")
+    assert re.search(r"scheduler \(pid \d+\) sent no watchdog beat for \d+ s .*: killing it", served.err())
+    assert re.search(r"scheduler exited \(killed by SIGKILL\) after \d+ s; restarting it", served.err())
+    assert served.proc.poll() is None
+
+
 # -- stopping ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_then_stops_in_order() -> None:
+    """SIGTERM under load: new requests get a 503 saying why; a request that finishes within
+    --shutdown-timeout completes; those still running then end with an error naming the drain (JSON:
+    an error body; SGLang and OpenAI streams: an error event, then [DONE]) instead of a dropped
+    connection; then the pipeline and NATS stop, in that order, and serve exits 0."""
+    cache = private_cache()
+    s = Served(cache, args=["--tokenizer-worker-num", "1", "--shutdown-timeout", str(DRAIN_S)])
+    try:
+        s.wait_serving()
+        started = [threading.Event() for _ in range(3)]
+        oai = {"model": "default", "prompt": "Once upon a time", **LONG, "max_tokens": 2000}
+        del oai["max_new_tokens"]
+        with ThreadPoolExecutor(4) as pool:
+            long_stream = pool.submit(read_sse, s.http, "/generate", {"text": "Hi", "sampling_params": LONG},
+                                      started[0])  # fmt: skip
+            oai_stream = pool.submit(read_sse, s.http, "/v1/completions", oai, started[1])
+            long_json = pool.submit(s.http.post, "/generate", json={"text": "Hello", "sampling_params": LONG})
+            assert started[0].wait(60) and started[1].wait(60), "the streams never started"
+            short = {"text": "Say something.", "sampling_params": {**LONG, "max_new_tokens": 24}}
+            short_stream = pool.submit(read_sse, s.http, "/generate", short, started[2])
+            assert started[2].wait(60), "the short stream never started"
+            wait_until(lambda: s.http.get("/get_server_info").json()["num_running_reqs"] == 4, 30,
+                       "all four requests running")  # fmt: skip
+            term = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            while (health := httpx.get(s.url + "/health", timeout=10)).status_code == 200:
+                assert time.monotonic() - term < 60, "/health still 200 a minute after SIGTERM"
+                time.sleep(0.1)
+            new = s.http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+            assert new.status_code == 503 and "shutting down" in new.json()["error"]["message"], new.text
+            short_out, long_out = short_stream.result(60), long_stream.result(60)
+            oai_out, json_out = oai_stream.result(60), long_json.result(60)
+        assert s.proc.wait(60) == 0
+        log = s.err()
+    finally:
+        s.stop()
+        shutil.rmtree(cache, ignore_errors=True)
+    assert "shutting down" in health.json()["error"]["message"], health.text
+    # the short request was running when the drain began, and finished normally
+    assert any(t > term for t, _ in short_out[:-1]), "the short request ended before the drain began"
+    assert short_out[-1][1] == "[DONE]"
+    last = orjson.loads(short_out[-2][1])
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 24
+    # the others were ended by the drain's deadline, each in its API's error shape
+    assert json_out.status_code == 503 and "drain" in json_out.json()["error"]["message"], json_out.text
+    for out in (long_out, oai_out):
+        assert out[-1][1] == "[DONE]"
+        error = orjson.loads(out[-2][1])["error"]
+        assert "shutting down" in error["message"] and "drain" in error["message"], error
+    assert orjson.loads(oai_out[-2][1])["error"]["type"] == "service_unavailable_error"
+    steps = ["stopping gateway\n", "stopping scheduler, detokenizer", "stopping nats-server"]
+    at = [log.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), log[-3000:]
+    assert "did not stop: killing it" not in log, log[-3000:]
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_everything_in_order_and_quietly(served: Served) -> None:
     children = psutil.Process(served.proc.pid).children()

@@ -80,7 +80,9 @@ def test_streams_pass_through(client: TestClient) -> None:
 
 
 def fake_gateway(api_key: str | None) -> SimpleNamespace:
-    return SimpleNamespace(cfg=GatewayConfig(api_key=api_key), ready=True, model_info=lambda: {"model": "m"})
+    return SimpleNamespace(
+        cfg=GatewayConfig(api_key=api_key), ready=True, draining=None, model_info=lambda: {"model": "m"}
+    )
 
 
 def test_build_app_checks_the_key_when_one_is_configured() -> None:
