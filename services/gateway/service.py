@@ -112,8 +112,15 @@ class Gateway:
         await _until(lambda: not self.requests.in_flight, timeout, now)
         rids = self.requests.active_rids()
         if rids:
-            why = "the drain was cut short" if now.is_set() else f"the {timeout:g} s drain (shutdown_timeout)"
-            message = f"the server is shutting down: the request did not finish within {why}"
+            if now.is_set():
+                message = (
+                    "the server is shutting down: a second signal ended the drain before the request finished"
+                )
+            else:
+                message = (
+                    "the server is shutting down: the request did not finish within the "
+                    f"{timeout:g} s drain (shutdown_timeout)"
+                )
             log.warning("shutting down: ending %d requests still running", len(rids))
             self.requests.fail(message, rids)
             await self.requests.abort(rids)
@@ -194,10 +201,12 @@ class Gateway:
         return any(("detokenizer", w) in live for svc, w in live if svc == "scheduler")
 
     def why_down(self) -> str:
-        """What /health and failed requests say when no pipeline is alive: the bus itself, or the
-        workers whose heartbeats stopped."""
-        if self.draining is not None:
-            return self.draining
+        """What /health says when it answers 503: shutting down, or why no pipeline is alive."""
+        return self.draining if self.draining is not None else self.why_workers_down()
+
+    def why_workers_down(self) -> str:
+        """What failed requests say when no pipeline is alive: the bus itself, or the workers whose
+        heartbeats stopped (a drain beside it is not the cause)."""
         if not self.transport.is_connected:
             return "the NATS bus is unreachable (the gateway is reconnecting to it)"
         if self.scheduler_info is None:
@@ -284,7 +293,7 @@ class Gateway:
             self._dead_since = self._dead_since or now
             if not self.requests.in_flight:
                 continue
-            msg = self.why_down()
+            msg = self.why_workers_down()
             if now - self._dead_since > self.cfg.recovery_timeout:
                 rids, msg = self.requests.active_rids(), f"{msg}, and did not come back in time"
             else:

@@ -209,8 +209,7 @@ def test_penalties_that_raise_for_one_request_end_that_request_alone(monkeypatch
     assert got["bad"]["finish"]["status_code"] == 500 and "boom" in got["bad"]["finish"]["message"]
 
 
-def test_output_logprobs_that_raise_for_one_request_end_that_request_alone(monkeypatch):
-    sched = make()
+def _output_rows_raise_for_top_k_7(monkeypatch) -> None:
     real = logprobs_module.output_rows
 
     def output_rows(lp, sampled, top_ks, token_ids):
@@ -219,6 +218,11 @@ def test_output_logprobs_that_raise_for_one_request_end_that_request_alone(monke
         return real(lp, sampled, top_ks, token_ids)
 
     monkeypatch.setattr(logprobs_module, "output_rows", output_rows)
+
+
+def test_output_logprobs_that_raise_for_one_request_end_that_request_alone(monkeypatch):
+    sched = make()
+    _output_rows_raise_for_top_k_7(monkeypatch)
     sched.add_request(msg("lp", [5, 6], LogprobReq(top_k=2)))
     sched.add_request(msg("bad", [8, 9], LogprobReq(top_k=7)))
     sched.add_request(msg("plain", [10, 11]))
@@ -468,14 +472,7 @@ def test_a_zero_token_request_reads_the_next_token_logprobs_and_draws_nothing():
 
 def test_next_token_logprobs_that_raise_for_one_request_end_that_request_alone(monkeypatch):
     sched = make()
-    real = logprobs_module.output_rows
-
-    def output_rows(lp, sampled, top_ks, token_ids):
-        if 7 in top_ks:
-            raise IndexError("bad top_k")
-        return real(lp, sampled, top_ks, token_ids)
-
-    monkeypatch.setattr(logprobs_module, "output_rows", output_rows)
+    _output_rows_raise_for_top_k_7(monkeypatch)
     sched.add_request(msg("lp", [5, 6], LogprobReq(top_k=2), max_new_tokens=0))
     sched.add_request(msg("bad", [8, 9], LogprobReq(top_k=7), max_new_tokens=0))
     sched.add_request(msg("plain", [10, 11]))
