@@ -6,7 +6,9 @@ The child is `python -m services.gateway.body_parser` on a pipe (multiprocessing
 gateway's main module in it). Each message on the pipe is its length and its bytes. In: the body. Out:
 the pickled result with every prompt's token ids taken out, then those ids as one int32 block, which
 the gateway reads and turns into lists a slice at a time, yielding to the event loop between slices.
-The child also checks the ids against the vocabulary (an id that does not fit int32 is outside any)."""
+The child also checks the ids against the vocabulary (an id that does not fit int32 is outside any).
+A child that died, or that has not answered in time (stopped, swapped out), is killed and the body parses
+on a thread instead; the next large body starts a new child."""
 
 from __future__ import annotations
 
@@ -26,11 +28,22 @@ Parsed = tuple[bool, GenerateInput | ValueError]  # whether it asked for a strea
 _CHILD_BYTES = 1 << 20  # bodies from this size on go to the child
 _SLICE = 1 << 16  # token ids read and turned into a list between two yields to the event loop
 _LEN = struct.Struct("<Q")
+# how long the child may take for a body: far more than parsing needs (~0.2 s for 32 MiB of ids),
+# so only a child that is stuck runs out of it
+TIMEOUT_S = 10.0
+TIMEOUT_S_PER_MIB = 1.0
 
 
 class BodyParser:
-    def __init__(self, vocab_size: int, child_bytes: int = _CHILD_BYTES) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        child_bytes: int = _CHILD_BYTES,
+        timeout_s: float = TIMEOUT_S,
+        timeout_s_per_mib: float = TIMEOUT_S_PER_MIB,
+    ) -> None:
         self.vocab_size, self.child_bytes = vocab_size, child_bytes
+        self.timeout_s, self.timeout_s_per_mib = timeout_s, timeout_s_per_mib
         self._child: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()  # one body at a time through the pipe
 
@@ -51,13 +64,26 @@ class BodyParser:
         parsed request or why it is invalid."""
         if len(body) < self.child_bytes:
             return parse(body)
-        try:
-            async with self._lock:
-                return await self._ask(body)
-        except (OSError, EOFError, asyncio.IncompleteReadError):  # the child died: this body on a thread
-            log.warning("the body-parsing child process died; a new one starts with the next large body")
-            await self.stop()
-            return await asyncio.to_thread(parse, body)
+        timeout = self.timeout_s + self.timeout_s_per_mib * len(body) / (1 << 20)
+        async with self._lock:
+            try:
+                return await asyncio.wait_for(self._ask(body), timeout)
+            except TimeoutError:  # (an OSError too: caught first) the child is stuck
+                log.warning("the body-parsing child process did not answer within %.1f s (a %d-byte body): "
+                            "it is killed and the body parses on a thread", timeout, len(body))  # fmt: skip
+            except (OSError, EOFError, asyncio.IncompleteReadError):  # the child died
+                log.warning("the body-parsing child process died; the body parses on a thread")
+            except asyncio.CancelledError:  # the pipe is mid-body: no later body may read this answer
+                self._kill()
+                raise
+            await self.stop()  # a new child starts with the next large body
+        return await asyncio.to_thread(parse, body)
+
+    def _kill(self) -> None:
+        if self._child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._child.kill()
+            self._child = None  # asyncio reaps it
 
     async def _started(self) -> asyncio.subprocess.Process:
         if self._child is None or self._child.returncode is not None:

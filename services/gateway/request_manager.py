@@ -7,6 +7,9 @@ Requests go into the schedulers' work queue, which keeps each one until this gat
 with its final output. A request whose worker died, or whose output the bus lost, comes back as a new
 attempt that starts over: a JSON response is simply built from the new attempt; a stream that has
 already sent tokens cannot continue with a different sample, so it ends with an error instead.
+Output that nobody here waits for any more (its client went away, or the gateway failed it while its
+worker was down, and the abort went to a scheduler that then died) still arrives on this gateway's own
+subject when a new attempt of it runs: that attempt is aborted, once, and its final output settles it.
 Tokenizing a long prompt runs on a thread, never on the event loop."""
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -49,6 +53,7 @@ class NotAccepting(BusUnavailable):
 
 # prompts longer than this (characters or ids) are tokenized and checked on a thread
 _OFF_LOOP_LEN = 8192
+_ABORTED_KEPT = 10_000  # rids aborted lately, so that a stray attempt's outputs bring one abort each
 
 
 class RequestManager:
@@ -78,6 +83,9 @@ class RequestManager:
         self.bodies = BodyParser(vocab_size)
         self.metrics: GatewayMetrics | None = None  # the gateway's /metrics (the offline Engine has none)
         self.refusing: str | None = None  # why new requests are refused (shutting down), or None
+        # rid -> the highest attempt an abort was sent for: a later attempt runs on a scheduler that
+        # never heard that abort (the one that had it died), and is aborted again
+        self._aborted: OrderedDict[str, int] = OrderedDict()
 
     @property
     def context_len(self) -> int | None:
@@ -299,13 +307,24 @@ class RequestManager:
         return len(self._states)
 
     async def abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            st = self._states.get(rid)
+            if st is not None:
+                self._note_aborted(rid, st.attempt)
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
+
+    def _note_aborted(self, rid: str, attempt: int) -> None:
+        self._aborted[rid] = max(attempt, self._aborted.pop(rid, 0))
+        while len(self._aborted) > _ABORTED_KEPT:
+            self._aborted.popitem(last=False)
 
     async def _forget(self, states: list[RequestState]) -> None:
         """Done with these requests (and the rest of their groups)."""
         states = list({id(m): m for st in states for m in (st.group or (st,))}.values())
         unfinished = [st.rid for st in states if not st.finished]
         for st in states:
+            if not st.finished:
+                self._note_aborted(st.rid, st.attempt)
             if self._states.pop(st.rid, None) is not None and self.metrics is not None:
                 self._count(st)
         if unfinished:  # the caller went away: free the scheduler's KV for these
@@ -319,11 +338,21 @@ class RequestManager:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:  # not from a detokenizer
             log.warning("ignoring a message on %s that is not a text output: %s", m.subject, e)
             return
+        strays: list[str] = []
         for out in outs:
             st = self._states.get(out.rid)
-            if st is None or st.finished:  # an attempt nobody waits for any more: done with it
-                if out.finished:
-                    await self.transport.settle_work(out.work_token, ACK)
+            if st is None or st.finished:
+                # Nobody waits for this output. Our subject carries only our requests, so an unknown
+                # rid is one we forgot. A finished one's work item is settled with its final output
+                # (non-final outputs carry no token); one still running is aborted, once per attempt,
+                # and its abort's final output settles it. A sibling that still waits (n > 1: one
+                # delivery) settles the group itself, and its shared prefill must not be aborted.
+                if st is None or all(m.finished for m in st.group or ()):
+                    if out.finished:
+                        await self.transport.settle_work(out.work_token, ACK)
+                    elif self._aborted.get(out.rid, 0) < out.attempt:
+                        self._note_aborted(out.rid, out.attempt)
+                        strays.append(out.rid)
                 continue
             if out.attempt != st.attempt:
                 if out.attempt < st.attempt or not await self._start_over(st, out.attempt):
@@ -345,6 +374,10 @@ class RequestManager:
             if out.finished and all(m.finished for m in st.group or ()):
                 # the request (with the rest of its group: one delivery) is done: the work queue may forget it
                 await self.transport.settle_work(out.work_token, ACK)
+        if strays:
+            log.warning("aborting %d requests whose output nobody here waits for: %s",
+                        len(strays), strays[:5])  # fmt: skip
+            await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=strays)))
 
     def _add(self, st: RequestState, out: TextOut, worker: str = "") -> None:
         if out.text_offset < len(st.text):  # the final output cut a stop_regex match short
@@ -402,6 +435,7 @@ class RequestManager:
                 "again",
                 [st.rid],
             )
+            self._note_aborted(st.rid, attempt)  # its later outputs need no abort of their own
             await self.abort([st.rid])
             return False
         log.warning("%s: attempt %d starts over (attempt %d did not finish)", st.rid, attempt, st.attempt)

@@ -1,9 +1,12 @@
 """Large bodies go through the parsing child process and come back as the in-place parse would give
-them; the child's death costs no request."""
+them; the child's death, or a child that is stuck, costs no request."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 
 import orjson
 import pytest
@@ -72,3 +75,58 @@ def test_a_dead_child_costs_no_request():
 
     a, b, restarted = asyncio.run(run())
     assert a.prompts[0].input_ids == [4, 5] and b.prompts[0].input_ids == [6] and restarted
+
+
+def test_a_stuck_child_is_replaced_and_its_body_parses_on_a_thread(caplog):
+    """A stopped child (SIGSTOP: swapped out, stuck) would hang the request: past the timeout it is
+    killed, the body parses on a thread, and the next large body gets a new child."""
+
+    async def run():
+        bodies = BodyParser(VOCAB, timeout_s=0.5, timeout_s_per_mib=0.0)
+        await bodies.start()
+        stuck = bodies._child
+        assert stuck is not None
+        os.kill(stuck.pid, signal.SIGSTOP)
+        try:
+            _, a = await asyncio.wait_for(bodies.parse(_big({"input_ids": [4, 5]})), 60)
+            bodies.timeout_s = 60.0  # the new child's interpreter start must not count against it
+            _, b = await bodies.parse(_big({"input_ids": [6]}))
+            return a, b, stuck.returncode, bodies._child is not stuck and bodies._child is not None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                stuck.kill()
+            await bodies.stop()
+
+    a, b, code, replaced = asyncio.run(run())
+    assert a.prompts[0].input_ids == [4, 5] and b.prompts[0].input_ids == [6]
+    assert code == -signal.SIGKILL and replaced
+    assert "did not answer within 0.5 s" in caplog.text
+
+
+def test_a_cancelled_parse_leaves_no_answer_for_the_next_body():
+    """A caller that goes away while the child works: that child's late answer must not become the
+    next body's."""
+
+    async def run():
+        bodies = BodyParser(VOCAB)
+        await bodies.start()
+        first = bodies._child
+        assert first is not None
+        os.kill(first.pid, signal.SIGSTOP)  # it holds the first body until the caller gave up
+        try:
+            task = asyncio.ensure_future(bodies.parse(_big({"input_ids": [1, 2, 3]})))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first.pid, signal.SIGCONT)
+            _, b = await bodies.parse(_big({"input_ids": [7]}))
+            return b, await first.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                first.kill()
+            await bodies.stop()
+
+    b, code = asyncio.run(run())
+    assert b.prompts[0].input_ids == [7] and code == -signal.SIGKILL

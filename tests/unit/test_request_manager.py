@@ -1,0 +1,187 @@
+"""The gateway's request manager against a bus that records what it is told: output of a request
+nobody here waits for any more (its client went away, or the gateway failed it while its worker was
+down) gets its new attempt aborted, once, and is settled by its final output, so the work queue does
+not run it again; output of a request still waited for is never aborted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+import services.gateway.request_manager as request_manager
+from services.gateway.generate_input import parse_generate_input
+from services.gateway.request_manager import RequestManager
+from services.gateway.request_state import RequestState
+from shared.finish import Abort, Length
+from shared.messages import AbortReq, BatchTextOut, Decoder, TextOut, encode
+from shared.transport import ACK, InProcessTransport, Message
+
+VOCAB = 1000
+
+
+class RecordingBus(InProcessTransport):
+    """Records aborts published and work deliveries settled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborts: list[AbortReq] = []
+        self.settled: list[tuple[str, str]] = []
+        self._abort_dec = Decoder(AbortReq)
+
+    async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
+        if subject.endswith(".abort"):
+            self.aborts.append(self._abort_dec(data))
+        await super().publish(subject, data, reply)
+
+    async def settle_work(self, token: str, verdict: str) -> None:
+        self.settled.append((token, verdict))
+
+    def aborted(self, rid: str) -> int:
+        """How many aborts named `rid`."""
+        return sum(rid in a.rids for a in self.aborts)
+
+
+@pytest.fixture
+def bus() -> RecordingBus:
+    return RecordingBus()
+
+
+@pytest.fixture
+def rm(bus: RecordingBus) -> Iterator[RequestManager]:
+    requests = RequestManager(None, bus, "sglbus", VOCAB, gateway_id="gw")
+    yield requests
+    requests._pool.shutdown(wait=True)
+
+
+def _out(rid: str, offset: int, attempt: int = 1, finish=None, token: str = "") -> TextOut:
+    return TextOut(rid=rid, text="x", output_ids=[7], offset=offset, attempt=attempt, finish=finish,
+                   work_token=token if finish is not None else "")  # fmt: skip
+
+
+async def _deliver(rm: RequestManager, *outs: TextOut) -> None:
+    """As the detokenizer sends them, on this gateway's own subject."""
+    await rm._on_text(Message(rm.out_subject, encode(BatchTextOut(outs=list(outs), worker="w0"))))
+
+
+async def _submit(rm: RequestManager, rid: str, n: int = 1) -> list[RequestState]:
+    req = parse_generate_input({"input_ids": [1, 2, 3], "rid": rid, "sampling_params": {"n": n}})
+    return await rm.submit(req)
+
+
+def test_a_stream_failed_while_its_worker_was_down_has_its_new_attempt_aborted_once_then_settled(rm, bus):
+    """The scheduler was stopped: the gateway failed the stream and sent an abort that died with it.
+    The restarted scheduler runs the request again (attempt 2) for nobody: one abort stops it, and
+    its final output acknowledges the work item, so it is not delivered a third time."""
+
+    async def run():
+        (st,) = await _submit(rm, "r1")
+        events = []
+
+        async def client():
+            async for event in rm.stream([st]):
+                events.append(event)
+
+        reader = asyncio.ensure_future(client())
+        await _deliver(rm, _out("r1", 0))
+        await asyncio.sleep(0)
+        rm.fail("worker w0 is down", ["r1"])  # the gateway's liveness check (service.py)
+        await rm.abort(["r1"])
+        await reader
+        assert events[-1].finish == Abort("worker w0 is down", 503) and rm.in_flight == 0
+        assert bus.aborted("r1") == 1  # the liveness check's, lost with the stopped scheduler
+        await _deliver(rm, _out("r1", 0, attempt=2))  # the restarted scheduler runs it again
+        assert bus.aborted("r1") == 2
+        await _deliver(rm, _out("r1", 1, attempt=2), _out("r1", 2, attempt=2))
+        assert bus.aborted("r1") == 2  # once per attempt, not per output
+        await _deliver(rm, _out("r1", 3, attempt=2, finish=Abort("aborted"), token="t2"))
+        assert ("t2", ACK) in bus.settled
+
+    asyncio.run(run())
+
+
+def test_a_forgotten_request_is_aborted_again_only_by_a_later_attempt(rm, bus):
+    """The client went away: the gateway aborted the request then; outputs already on their way need
+    no abort of their own, but a new attempt (its scheduler died with the abort) does."""
+
+    async def run():
+        (st,) = await _submit(rm, "r2")
+        await _deliver(rm, _out("r2", 0))
+        stream = rm.stream([st])
+        await anext(stream)
+        await stream.aclose()  # the client went away
+        assert bus.aborted("r2") == 1
+        await _deliver(rm, _out("r2", 1), _out("r2", 2))
+        assert bus.aborted("r2") == 1
+        await _deliver(rm, _out("r2", 0, attempt=2))
+        assert bus.aborted("r2") == 2
+        assert not bus.settled  # nothing finished yet: no token to settle
+
+    asyncio.run(run())
+
+
+def test_an_unknown_rid_on_our_subject_is_aborted_once_and_settled_when_it_ends(rm, bus):
+    """Our subject carries only our requests: an unknown rid is one this gateway forgot (a run of
+    it before a restart with the same gateway_id, or one whose state is long gone)."""
+
+    async def run():
+        await _deliver(rm, _out("old", 0, attempt=3), _out("older", 4))
+        await _deliver(rm, _out("old", 1, attempt=3))
+        assert [a.rids for a in bus.aborts] == [["old", "older"]]  # one message for the batch
+        await _deliver(rm, _out("old", 2, attempt=3, finish=Abort("aborted"), token="t3"))
+        assert bus.settled == [("t3", ACK)] and bus.aborted("old") == 1
+
+    asyncio.run(run())
+
+
+def test_output_of_a_request_still_waited_for_is_never_aborted(rm, bus):
+    async def run():
+        (st,) = await _submit(rm, "r3")
+        await _deliver(rm, _out("r3", 0), _out("r3", 1))
+        await _deliver(rm, _out("r3", 0, attempt=2))  # a restart it can take: not streamed yet
+        await _deliver(rm, _out("r3", 1, attempt=2, finish=Length(2), token="t"))
+        (done,) = await rm.wait([st])
+        return done
+
+    done = asyncio.run(run())
+    assert not bus.aborts and bus.settled == [("t", ACK)]
+    assert done.finish == Length(2) and done.output_ids == [7, 7] and done.attempt == 2
+
+
+def test_a_sample_that_finished_is_not_aborted_nor_settled_while_its_siblings_run(rm, bus):
+    """n > 1 is one delivery: a sample that already finished runs again when the delivery does, and
+    aborting it (or its shared prefill) would end its siblings too; the last sibling's final output
+    settles the delivery."""
+
+    async def run():
+        samples = await _submit(rm, "g", n=2)
+        group = samples[0].group
+        assert group is not None
+        prefill, a, b = (m.rid for m in group)
+        await _deliver(rm, _out(prefill, 0, finish=Length(0), token="t1"))
+        await _deliver(rm, _out(a, 0, finish=Length(1), token="t1"))
+        assert not bus.settled  # b still runs
+        # the worker died; the delivery runs again: the finished prefill and sample a come back too
+        await _deliver(rm, _out(a, 0, attempt=2), _out(prefill, 0, attempt=2, finish=Length(0), token="t2"))
+        assert not bus.aborts and not bus.settled
+        await _deliver(rm, _out(b, 0, attempt=2, finish=Length(1), token="t2"))
+        assert bus.settled == [("t2", ACK)]
+        await rm.wait(samples)
+        assert not bus.aborts
+
+    asyncio.run(run())
+
+
+def test_the_aborted_rids_kept_are_bounded(rm, bus, monkeypatch):
+    monkeypatch.setattr(request_manager, "_ABORTED_KEPT", 8)
+
+    async def run():
+        for i in range(20):
+            await _deliver(rm, _out(f"stray{i}", 0))
+        await _deliver(rm, _out("stray19", 1))  # still remembered
+        await _deliver(rm, _out("stray0", 1))  # forgotten long ago: aborted again
+
+    asyncio.run(run())
+    assert len(rm._aborted) == 8
+    assert bus.aborted("stray19") == 1 and bus.aborted("stray0") == 2
