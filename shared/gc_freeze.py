@@ -14,10 +14,11 @@ shutdown unfreezes the other's objects too, which costs it only the stalls again
 Then the collector's thresholds are raised for the step loop (`STEP_LOOP_THRESHOLDS`). What a run
 builds lives long (each request's token-id lists, its messages, its output), so with Python's
 defaults a full pass came every ~70k net allocations and walked all of it: in the seed workload on the
-H200 29 full passes of up to 120 ms, each longer than a decode step, so the GPU idled behind most of
-them (0.5-0.7 s of idle device time in a 36 s run). With generation 0 collected every 10,000
-allocations instead of 700, young garbage is still collected young (a pass of ~10k objects costs
-~1 ms) and full passes come ~14x less often. `unfreeze()` restores the thresholds found.
+H200 29 full passes of up to 100-120 ms, each longer than a decode step, so the GPU idled behind
+them: 0.44 s in a 36 s run, 2.9 s with all four penalties on. With generation 0 collected every 10,000
+allocations instead of 700, young garbage is still collected young and no full pass ran in that
+workload (idle 0.30 s; 0.39 s with penalties, which went from 0.91-0.95 to 0.98 of the baseline;
+docs/benchmarks.md, fourteenth session). `unfreeze()` restores the thresholds found.
 
 Each served service freezes the same way once started (`shared.service_main.serve_on_bus`, the
 gateway's main); its process lives until it stops, so nothing is unfrozen there.
