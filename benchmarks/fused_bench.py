@@ -38,7 +38,7 @@ def cases(t: int) -> list[tuple[str, Callable, Callable, int]]:
     from kernels.activation import silu_and_mul
     from kernels.kv_store import store_kv
     from kernels.norm import fused_add_rms_norm, rms_norm
-    from kernels.rope import apply_rope, rope_store_kv
+    from kernels.rope import rope_store_kv
 
     def randn(*shape):
         return torch.randn(*shape, device="cuda", dtype=DTYPE)
@@ -71,8 +71,6 @@ def cases(t: int) -> list[tuple[str, Callable, Callable, int]]:
         ("rms_norm", lambda: torch_rms_norm(x, weight), lambda: rms_norm(x, weight, EPS), 2 * row),
         ("fused_add_rms_norm", torch_add_norm, lambda: fused_add_rms_norm(x, residual, weight, EPS), 4 * row),
         ("silu_and_mul", torch_silu, lambda: silu_and_mul(gate_up), 3 * t * INTER * 2),
-        ("apply_rope", lambda: torch_rope(q, k, cos, sin, positions),
-         lambda: apply_rope(q, k, cos, sin, positions), rope_bytes),
         ("store_kv", torch_store, lambda: store_kv(k_buf, v_buf, loc, k, v), 4 * t * KV_HEADS * DIM * 2),
         ("rope_store_kv", lambda: (torch_rope(q, k, cos, sin, positions), torch_store()),
          lambda: rope_store_kv(q, k, v, cos, sin, positions, k_buf, v_buf, loc),

@@ -15,7 +15,7 @@ from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import apply_rope, rope_store_kv  # noqa: E402
+from kernels.rope import rope_store_kv  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, DIM = 4096, 14336, 32, 8, 128
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -55,20 +55,6 @@ def test_silu_and_mul(nan_empty, tokens, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 4096])
-def test_apply_rope(tokens, dtype):
-    cos, sin = rope_tables(DIM, 8192, "cuda")
-    q, k, v = qkv_views(tokens, dtype)
-    positions = torch.randint(1, 8192, (tokens,), device="cuda")
-    ref_q, ref_k, v_before = ref_rope(q, cos, sin, positions), ref_rope(k, cos, sin, positions), v.clone()
-    exact_k = ref_rope(k.float(), cos, sin, positions).to(dtype)
-    apply_rope(q, k, cos, sin, positions)
-    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
-    assert mismatch(k, exact_k) < FLIPS
-    assert torch.equal(v, v_before)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 4096])
 def test_store_kv(tokens, dtype):
     slots = 3 * tokens + 5
     _, k, v = qkv_views(tokens, dtype)
@@ -85,18 +71,19 @@ def test_store_kv(tokens, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 4096])
 def test_rope_store_kv(tokens, dtype):
-    """Fused RoPE + store = apply_rope then store_kv, exactly."""
     slots = 3 * tokens + 5
     cos, sin = rope_tables(DIM, 8192, "cuda")
     q, k, v = qkv_views(tokens, dtype)
     positions = torch.randint(1, 8192, (tokens,), device="cuda")
     loc = torch.randperm(slots, device="cuda")[:tokens]
-    bufs = [torch.full((slots, KV_HEADS, DIM), float("nan"), device="cuda", dtype=dtype) for _ in range(4)]
-    q2, k2 = q.clone(), k.clone()
-    apply_rope(q2, k2, cos, sin, positions)
-    store_kv(bufs[0], bufs[1], loc, k2, v)
-    rope_store_kv(q, k, v, cos, sin, positions, bufs[2], bufs[3], loc)
-    assert torch.equal(q, q2) and torch.equal(bufs[2][loc], bufs[0][loc]) and torch.equal(bufs[3][loc], v)
+    k_buf = torch.full((slots, KV_HEADS, DIM), float("nan"), device="cuda", dtype=dtype)
+    v_buf = k_buf.clone()
+    ref_q, ref_k, k_before = ref_rope(q, cos, sin, positions), ref_rope(k, cos, sin, positions), k.clone()
+    exact_k = ref_rope(k.float(), cos, sin, positions).to(dtype)
+    rope_store_kv(q, k, v, cos, sin, positions, k_buf, v_buf, loc)
+    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k_buf[loc], ref_k) < TOL[dtype]
+    assert mismatch(k_buf[loc], exact_k) < FLIPS
+    assert torch.equal(k, k_before) and torch.equal(v_buf[loc], v)
 
 
 def test_cuda_graph_replay():
@@ -114,8 +101,7 @@ def test_cuda_graph_replay():
 
     def step():
         out, _ = fused_add_rms_norm(x, residual, weight, EPS)
-        apply_rope(q, k, cos, sin, positions)
-        store_kv(k_buf, v_buf, loc, k, v)
+        rope_store_kv(q, k, v, cos, sin, positions, k_buf, v_buf, loc)
         return out, silu_and_mul(gate_up)
 
     step()  # compile outside the capture
@@ -129,5 +115,5 @@ def test_cuda_graph_replay():
     graph.replay()
     assert rel_err(out, ref_norm(summed, weight)) < TOL[dtype]
     assert rel_err(act, ref_silu_and_mul(gate_up)) < TOL[dtype]
-    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
-    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
+    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k_buf[loc], ref_k) < TOL[dtype]
+    assert torch.equal(v_buf[loc], v)

@@ -18,7 +18,7 @@ from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import apply_rope, rope_store_kv  # noqa: E402
+from kernels.rope import rope_store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -77,24 +77,6 @@ def fused_qkv(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dty
     return (q, k, v) if fused else (q.contiguous(), k.contiguous(), v.contiguous())
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("tokens", [1, 3, 17])
-def test_apply_rope(tokens, dim, dtype, fused):
-    cos, sin = rope_tables(dim, 4096, DEVICE)
-    q, k, v = fused_qkv(tokens, 6, 2, dim, dtype, fused)
-    positions = torch.randint(1, 4096, (tokens,), device=DEVICE)
-    ref_q, ref_k = ref_rope(q, cos, sin, positions), ref_rope(k, cos, sin, positions)
-    # torch rounds cos, sin and each product to the dtype; the kernel rounds once, after fp32 math
-    exact_q = ref_rope(q.float(), cos, sin, positions).to(dtype)
-    v_before = v.clone()
-    apply_rope(q, k, cos, sin, positions)
-    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
-    assert dtype == torch.float32 or mismatch(q, exact_q) < FLIPS
-    assert torch.equal(v, v_before), "v, beside q and k in the fused tensor, is untouched"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 3, 17])
@@ -111,23 +93,29 @@ def test_store_kv(tokens, dim, dtype):
     assert k_buf[others].isnan().all() and v_buf[others].isnan().all(), "only the slots in loc change"
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 96, 128])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_rope_store_kv_equals_rope_then_store(tokens, dim, dtype):
-    """The fused RoPE + store writes exactly what apply_rope then store_kv write; k stays unrotated."""
-    slots, kv_heads = 40, 3
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_rope_store_kv(tokens, dim, dtype, fused):
+    """q rotated in place, k rotated into its slot (k itself unchanged), v copied to its slot."""
+    slots, kv_heads = 40, 2
     cos, sin = rope_tables(dim, 4096, DEVICE)
-    q, k, v = fused_qkv(tokens, 6, kv_heads, dim, dtype, fused=True)
+    q, k, v = fused_qkv(tokens, 6, kv_heads, dim, dtype, fused)
     positions = torch.randint(1, 4096, (tokens,), device=DEVICE)
     loc = torch.randperm(slots - 1, device=DEVICE)[:tokens] + 1
-    bufs = [torch.full((slots, kv_heads, dim), float("nan"), device=DEVICE, dtype=dtype) for _ in range(4)]
-    q2, k2, k_before = q.clone(), k.clone(), k.clone()
-    apply_rope(q2, k2, cos, sin, positions)
-    store_kv(bufs[0], bufs[1], loc, k2, v)
-    rope_store_kv(q, k, v, cos, sin, positions, bufs[2], bufs[3], loc)
-    assert torch.equal(q, q2) and torch.equal(k, k_before)
-    assert torch.equal(bufs[2][loc], bufs[0][loc]) and torch.equal(bufs[3][loc], v)
+    k_buf = torch.full((slots, kv_heads, dim), float("nan"), device=DEVICE, dtype=dtype)
+    v_buf = k_buf.clone()
+    ref_q, ref_k = ref_rope(q, cos, sin, positions), ref_rope(k, cos, sin, positions)
+    # torch rounds cos, sin and each product to the dtype; the kernel rounds once, after fp32 math
+    exact_q = ref_rope(q.float(), cos, sin, positions).to(dtype)
+    exact_k = ref_rope(k.float(), cos, sin, positions).to(dtype)
+    k_before, v_before = k.clone(), v.clone()
+    rope_store_kv(q, k, v, cos, sin, positions, k_buf, v_buf, loc)
+    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k_buf[loc], ref_k) < TOL[dtype]
+    assert dtype == torch.float32 or (mismatch(q, exact_q) < FLIPS and mismatch(k_buf[loc], exact_k) < FLIPS)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before), "k and v, beside q, are untouched"
+    assert torch.equal(v_buf[loc], v)
     others = torch.ones(slots, dtype=torch.bool, device=DEVICE)
     others[loc] = False
-    assert bufs[2][others].isnan().all() and bufs[3][others].isnan().all(), "only the slots in loc change"
+    assert k_buf[others].isnan().all() and v_buf[others].isnan().all(), "only the slots in loc change"
