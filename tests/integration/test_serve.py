@@ -456,7 +456,7 @@ def test_services_that_cannot_start_stop_serve_with_exit_1(tmp_path) -> None:
     """A broken install (here the services cannot import msgspec; serve itself does not need it): the
     services die at start-up, serve stops after STARTUP_FAILURES tries each instead of restarting them
     until its start-up timeout, and the services' own tracebacks are in its output."""
-    from sglbus.serve import STARTUP_FAILURES
+    from sglbus.supervisor import STARTUP_FAILURES
 
     blocked = tmp_path / "msgspec"
     blocked.mkdir()
