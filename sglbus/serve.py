@@ -1,8 +1,8 @@
 """`sglbus serve`: an embedded NATS (unless --nats-url), then the scheduler, detokenizer and gateway as
 processes; waits for /health and prints the URL.
 
-It supervises what it started (sglbus/supervisor.py): a service that dies is restarted with backoff (1 s, doubling to 30 s),
-and so is the embedded NATS, on the same port and JetStream store; the services reconnect by
+It supervises what it started (sglbus/supervisor.py): a service that dies is restarted with backoff
+(1 s, doubling to 30 s), and so is the embedded NATS, on the same port and JetStream store; the services reconnect by
 themselves. A service that is alive but hung (stopped, its event loop blocked, the scheduler's step
 thread stuck in one step) for --watchdog-timeout seconds is killed with SIGKILL and restarted the
 same way (shared/watchdog.py: each service beats down a pipe). A service that exits with code 2

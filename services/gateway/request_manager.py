@@ -30,8 +30,8 @@ from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
 from services.gateway.logprob_meta import LogprobAccumulator
-from services.gateway.logprob_options import LogprobOptions
 from services.gateway.prompt_tokens import PromptTokens
+from services.gateway.request_prep import check_logprobs, nth_sample, warm_prompt
 from services.gateway.request_state import Delta, RequestState
 from shared.finish import Abort, describe
 from shared.grammar_text import check_grammar, grammar_of
@@ -133,8 +133,8 @@ class RequestManager:
             return [st for (st,) in await self._publish([[p] for p in prompts])]
         groups = []
         for p in prompts:
-            warm = _warm_prompt(p)
-            samples = [_nth_sample(p, j) for j in range(n)]
+            warm = warm_prompt(p)
+            samples = [nth_sample(p, j) for j in range(n)]
             if warm.logprob is not None:  # the prefill computes the prompt's logprobs for all samples
                 shared = dataclasses.replace(p.logprob, input_shared=True)
                 samples = [dataclasses.replace(s, logprob=shared) for s in samples]
@@ -169,26 +169,8 @@ class RequestManager:
         if p.input_ids is None and self.context_len is not None:  # the prompt, and + max_new_tokens
             p.sampling.verify_length(len(ids), self.context_len)
         if p.logprob is not None:
-            self._check_logprobs(p.logprob, len(ids))
+            check_logprobs(p.logprob, len(ids), self.vocab_size, self.transport.max_payload)
         return ids
-
-    def _check_logprobs(self, o: LogprobOptions, prompt_len: int) -> None:
-        """token_ids_logprob within the vocabulary; prompt logprobs travel in one bus message: refuse
-        what the bus cannot carry."""
-        bad = [t for t in o.token_ids or () if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token_ids_logprob has id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-            )
-        rows = max(0, prompt_len - max(o.start_len, 1)) if o.start_len >= 0 else 0
-        size = rows * 4 * (1 + 2 * o.top_k + len(o.token_ids or ()))
-        limit = self.transport.max_payload - _BUS_MARGIN
-        if size > limit:
-            raise ValueError(
-                f"prompt logprobs for {rows} positions (top_logprobs_num {o.top_k}, "
-                f"{len(o.token_ids or ())} token_ids_logprob) come to {size} bytes, over the bus's "
-                f"{limit}-byte limit; raise logprob_start_len or ask for fewer logprobs per position"
-            )
 
     async def _publish(self, groups: list[list[Prompt]]) -> list[list[RequestState]]:
         """Each group is one message for one scheduler: its first request, and the others to run there
@@ -462,25 +444,3 @@ def _logprob_factory(
         return acc
 
     return make
-
-
-# room in a bus message for everything besides a request's prompt logprob arrays
-_BUS_MARGIN = 1 << 16
-_SEED_STEP = 0x9E3779B97F4A7C15  # odd: sample j of seed s uses s + j * step (mod 2^63), distinct per j
-
-
-def _warm_prompt(p: Prompt) -> Prompt:
-    """Prefill only, to leave the prompt in the prefix cache for its n samples; it computes their prompt
-    logprobs too, when asked."""
-    sampling = msgspec.structs.replace(p.sampling, n=1, max_new_tokens=0, min_new_tokens=0)
-    rid = f"{p.rid}_prefill_{uuid.uuid4().hex[:8]}"
-    wants_input = p.logprob is not None and p.logprob.start_len >= 0
-    return dataclasses.replace(p, rid=rid, sampling=sampling, logprob=p.logprob if wants_input else None)
-
-
-def _nth_sample(p: Prompt, j: int) -> Prompt:
-    seed = p.sampling.sampling_seed
-    if seed is not None:
-        seed = (seed + j * _SEED_STEP) % (1 << 63)
-    sampling = msgspec.structs.replace(p.sampling, n=1, sampling_seed=seed)
-    return dataclasses.replace(p, rid=f"{p.rid}_{j}", sampling=sampling)
