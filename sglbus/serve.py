@@ -2,11 +2,11 @@
 processes; waits for /health and prints the URL.
 
 It supervises what it started (sglbus/supervisor.py): a service that dies is restarted with backoff
-(1 s, doubling to 30 s), and so is the embedded NATS, on the same port and JetStream store; the services reconnect by
-themselves. A service that is alive but hung (stopped, its event loop blocked, the scheduler's step
-thread stuck in one step) for --watchdog-timeout seconds is killed with SIGKILL and restarted the
-same way (shared/watchdog.py: each service beats down a pipe). A service that exits with code 2
-reports a configuration error: serve stops everything and exits 2. One that dies STARTUP_FAILURES
+(1 s, doubling to 30 s), and so is the embedded NATS, on the same port and JetStream store; the services
+reconnect by themselves. A service that is alive but hung (stopped, its event loop blocked, the
+scheduler's step thread stuck in one step) for --watchdog-timeout seconds is killed with SIGKILL and
+restarted the same way (shared/watchdog.py: each service beats down a pipe). A service that exits with
+code 2 reports a configuration error: serve stops everything and exits 2. One that dies STARTUP_FAILURES
 times before the server first answers /health (an import error, a model that does not load) stops
 everything too, with exit code 1; its output is above.
 Ctrl-C / SIGTERM stop the gateway first: it refuses new requests (503) and lets those in flight finish
