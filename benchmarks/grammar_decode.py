@@ -56,7 +56,7 @@ def run(backend, vocab: int, batch: int, steps: int, jump_forward: bool, seed: i
         r.matcher = compiled.matcher()
         decode.start(r, backend)
         reqs.append(r)
-    rng, words = random.Random(seed), (vocab + 31) // 32
+    rng, words = random.Random(seed), backend.mask_words
     host = torch.zeros((batch, words), dtype=torch.int32)
     timed, rows_done, took = 0.0, 0, 0
     for _ in range(steps):

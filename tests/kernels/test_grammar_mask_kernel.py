@@ -18,6 +18,8 @@ def reference(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> 
     out = logits.clone()
     bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
     allowed = bits.view(words.shape[0], -1)[:, : logits.shape[1]]
+    past = logits.shape[1] - allowed.shape[1]  # a mask narrower than the vocabulary: the rest banned
+    allowed = torch.nn.functional.pad(allowed, (0, max(past, 0)))
     out[rows] = out[rows].masked_fill(allowed == 0, float("-inf"))
     return out
 
@@ -36,3 +38,25 @@ def test_kernel_masks_exactly_the_banned_tokens(dtype, vocab):
     apply_bitmask(logits, words, rows)
     assert torch.equal(logits, want)
     assert torch.isinf(logits[0]).all() and not torch.isinf(logits[2]).any()
+
+
+@pytest.mark.parametrize("words_wide", [1, 40])
+def test_a_narrower_mask_bans_every_token_past_it(words_wide):
+    """A grammar over the tokenizer's 49,152 tokens and a model vocabulary padded to 128,256: the mask
+    covers the tokenizer; ids past it are never allowed, whatever the logits."""
+    vocab = 1501
+    g = torch.Generator().manual_seed(words_wide)
+    logits = torch.randn(4, vocab, generator=g).to(DEVICE)
+    words = torch.full((2, words_wide), -1, dtype=torch.int32)
+    words[1] = 0
+    words[1, 0] = 0b1010  # tokens 1 and 3 alone
+    words = words.to(DEVICE)
+    rows = torch.tensor([3, 1], device=DEVICE)
+    want = reference(logits, words, rows)
+    apply_bitmask(logits, words, rows)
+    assert torch.equal(logits, want)
+    assert (
+        torch.isinf(logits[3, 32 * words_wide :]).all()
+        and not torch.isinf(logits[3, : 32 * words_wide]).any()
+    )
+    assert torch.isinf(logits[1]).sum() == vocab - 2 and not torch.isinf(logits[0]).any()

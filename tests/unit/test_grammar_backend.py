@@ -464,3 +464,29 @@ def test_llguidance_giving_up_on_an_endless_grammar_is_a_short_400(model_folder)
     assert m.error_status == 400 and "accepts no finite string" in m.error and "<state>" not in m.error, (
         m.error
     )
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_is_never_allowed(setup, model_folder):
+    """A model whose vocabulary is padded past its tokenizer's tokens (a Llama-3-8B config with this
+    tokenizer: 128,256 ids for 49,152 tokens). xgrammar's grammar stops at the tokenizer (its masks are
+    that wide: each padding id would be a special token it looks up on every accept); either way the
+    drawn logits of the padding ids are -inf and the rest are masked as without the padding."""
+    from types import SimpleNamespace
+
+    from services.scheduler.sampling.grammar_mask import GrammarMaskProcessor
+
+    _, _, mc = setup
+    padded = mc.vocab_size + 1000
+    cls = type(setup[0])
+    wide = cls(os.path.join(model_folder, "tokenizer.json"), padded, mc.eos_token_ids)
+    spec = GrammarSpec("regex", r"\d{2}[a-z]+")
+    narrow_m, wide_m = setup[0].compile(spec).matcher(), wide.compile(spec).matcher()
+    if cls.__name__.startswith("XGrammar"):
+        assert wide_m.mask_words == narrow_m.mask_words == (mc.vocab_size + 31) // 32
+    p = GrammarMaskProcessor(padded, torch.device("cpu"))
+    req = SimpleNamespace(uid=0, matcher=wide_m, grammar=spec, pending=0)
+    p.admit(req)
+    logits = torch.zeros(1, padded)
+    p.apply(logits, [req], torch.zeros(1, 1, dtype=torch.int64))
+    assert torch.isinf(logits[0, mc.vocab_size :]).all()
+    assert (~torch.isinf(logits[0])).nonzero().flatten().tolist() == allowed(narrow_m, mc.vocab_size)

@@ -49,7 +49,13 @@ class GrammarSpec(NamedTuple):
 class Matcher(ABC):
     @abstractmethod
     def fill_bitmask(self, row: torch.Tensor) -> None:
-        """row: int32 [ceil(vocab / 32)] on the CPU; bit t of word t // 32 set when token t may come next."""
+        """row: int32 [mask_words] on the CPU; bit t of word t // 32 set when token t may come next."""
+
+    @property
+    @abstractmethod
+    def mask_words(self) -> int:
+        """The int32 words of a mask row: ceil(V / 32) for the grammar's vocabulary V, which may stop
+        short of the model's (ids past V are never allowed)."""
 
     @abstractmethod
     def accept(self, tokens: list[int]) -> bool:

@@ -40,9 +40,13 @@ def _executor():
 
 
 class LLGuidanceMatcher(Matcher):
-    def __init__(self, m) -> None:  # an llguidance.LLMatcher
-        self._m = m
+    def __init__(self, m, mask_words: int) -> None:  # an llguidance.LLMatcher
+        self._m, self._words = m, mask_words
         self._refused = ""
+
+    @property
+    def mask_words(self) -> int:
+        return self._words
 
     @property
     def error_status(self) -> int:
@@ -90,11 +94,11 @@ class LLGuidanceMatcher(Matcher):
 
 
 class LLGuidanceGrammar(CompiledGrammar):
-    def __init__(self, pristine) -> None:
-        self._pristine = pristine
+    def __init__(self, pristine, mask_words: int) -> None:
+        self._pristine, self._words = pristine, mask_words
 
     def matcher(self) -> Matcher:
-        return LLGuidanceMatcher(self._pristine.deep_copy())
+        return LLGuidanceMatcher(self._pristine.deep_copy(), self._words)
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -126,7 +130,7 @@ class LLGuidanceBackend(GrammarBackend):
         m = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
             raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(m.get_error())}")
-        return LLGuidanceGrammar(m)
+        return LLGuidanceGrammar(m, (self.vocab_size + 31) // 32)
 
     def retokenize(self, tokens: list[int]) -> list[int] | None:
         tok = self.tokenizer

@@ -57,6 +57,10 @@ class XGrammarMatcher(Matcher):
         self._m, self._backend = m, backend
         self._error = ""
 
+    @property
+    def mask_words(self) -> int:
+        return self._backend.mask_words
+
     def fill_bitmask(self, row: torch.Tensor) -> None:
         assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
         self._m.fill_next_token_bitmask(row.view(1, -1), 0)
@@ -187,7 +191,11 @@ class XGrammarBackend(GrammarBackend):
         text = tokenizer_text(tokenizer_json)
         self._tok = tokenizers.Tokenizer.from_str(text)
         hf = PreTrainedTokenizerFast(tokenizer_object=self._tok)
-        known = [t for t in eos_ids if t < self._tok.get_vocab_size(with_added_tokens=True)]
+        # the grammar's vocabulary ends with the tokenizer's tokens: ids of a model's vocabulary padded
+        # past them are never text, and xgrammar takes each for a special token, which it looks up on
+        # every accept (49,152 tokens in a 128,256 vocabulary: ~10x the cost of an accept, 0.7 -> 6.8 us)
+        vocab_size = min(vocab_size, max(hf.get_vocab().values(), default=-1) + 1)
+        known = [t for t in eos_ids if t < vocab_size]
         info = xgrammar.TokenizerInfo.from_huggingface(
             hf, vocab_size=vocab_size, stop_token_ids=known or None
         )
@@ -198,6 +206,7 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # GrammarCache caches
         self.batcher = xgrammar.BatchGrammarMatcher()
         self.vocab_size = vocab_size
+        self.mask_words = (vocab_size + 31) // 32
         self._encoded: dict[str, list[int]] = {}
         check_round_trip(lambda text: self.decode_bytes(self.encode(text)), tokenizer_json)
 

@@ -1,8 +1,9 @@
 """The grammar bitmask as a logits processor: the rows of requests with a matcher keep only the
 tokens their grammar allows next (everything else scores -inf). Each matcher fills its row of a host
-int32 bitmask (one bit per token id); one copy to the device, one masked write for all constrained
-rows (on CUDA the Triton kernel of kernels/grammar_mask.py, in place; on a CPU each mask byte looked
-up as its 8 bits, 3x faster than shifting every bit out). Rows without a grammar cost nothing.
+int32 bitmask (one bit per token id, as wide as the grammar's vocabulary: ids of a model's vocabulary
+padded past the tokenizer's tokens are never allowed); one copy to the device, one masked write for all
+constrained rows (on CUDA the Triton kernel of kernels/grammar_mask.py, in place; on a CPU each mask
+byte looked up as its 8 bits, 3x faster than shifting every bit out). Rows without a grammar cost nothing.
 
 The matchers advance on the host when the step's tokens are known (`Scheduler._complete`), not
 here: under overlap scheduling the drawn ids are still on the device when on_sample runs. When the
@@ -47,7 +48,6 @@ class GrammarMaskProcessor(LogitsProcessor):
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         super().__init__()
         self.vocab_size, self.device = vocab_size, device
-        self.words = (vocab_size + 31) // 32
         assert sys.byteorder == "little"  # byte k of a mask word holds tokens 8k..8k+7 of the word
         # a mask byte -> its 8 bits as "blocked" flags (1: the token is not allowed)
         self._blocked = (((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0).to(torch.uint8)
@@ -66,7 +66,8 @@ class GrammarMaskProcessor(LogitsProcessor):
         tokens from now on (`ready`). The draw (`apply`) or `drop` ends what begin starts."""
         self.drop()
         rows = {r.uid: i for i, r in enumerate(reqs) if r.matcher is not None}
-        self._fills = _Fills(rows, self._host(len(reqs))) if rows else None
+        words = next((r.matcher.mask_words for r in reqs if r.matcher is not None), 0)
+        self._fills = _Fills(rows, self._host(len(reqs), words)) if rows else None
         if self._fills is not None:
             for r in reqs:  # no token in flight: its matcher is where the draw needs it already
                 if r.matcher is not None and not r.pending:
@@ -96,17 +97,18 @@ class GrammarMaskProcessor(LogitsProcessor):
         f.queued = []
         f.jobs.append(self._pool.submit(fill_bitmasks, matchers, f.host, rows))
 
-    def _host(self, n: int) -> torch.Tensor:
-        """A host buffer of at least n mask rows that no copy still reads."""
+    def _host(self, n: int, words: int) -> torch.Tensor:
+        """A host buffer of at least n mask rows of `words` words (the grammar backend's width) that no
+        copy still reads."""
         self._turn ^= 1
         t, buf = self._turn, self._buffers[self._turn]
         if self._copied[t] is not None:
             self._copied[t].synchronize()  # type: ignore[union-attr]
             self._copied[t] = None
-        if buf is None or buf.shape[0] < n:
+        if buf is None or buf.shape[0] < n or buf.shape[1] != words:
             rows = max(n, 2 * buf.shape[0] if buf is not None else 64)
             pin = self.device.type == "cuda"
-            buf = self._buffers[t] = torch.empty((rows, self.words), dtype=torch.int32, pin_memory=pin)
+            buf = self._buffers[t] = torch.empty((rows, words), dtype=torch.int32, pin_memory=pin)
         return buf
 
     # -- the draw ---------------------------------------------------------------------------------
@@ -122,7 +124,8 @@ class GrammarMaskProcessor(LogitsProcessor):
             _settle(fills)  # not the draw `begin` planned for: let its fills end, start afresh
             fills = None
         if fills is None:
-            fills = _Fills({reqs[i].uid: k for k, i in enumerate(idx)}, self._host(len(idx)))
+            words = reqs[idx[0]].matcher.mask_words  # type: ignore[union-attr]
+            fills = _Fills({reqs[i].uid: k for k, i in enumerate(idx)}, self._host(len(idx), words))
         for i in idx:  # rows no matcher reported ready for are filled here
             if (uid := reqs[i].uid) not in fills.done:
                 fills.done.add(uid)
@@ -155,9 +158,10 @@ class GrammarMaskProcessor(LogitsProcessor):
             apply_bitmask(logits, words, rows)
             return
         octets = words.view(torch.uint8).view(len(idx), -1).long()
-        blocked = torch.nn.functional.embedding(octets, self._blocked).view(len(idx), -1)[
-            :, : logits.shape[1]
-        ]
+        blocked = torch.nn.functional.embedding(octets, self._blocked).view(len(idx), -1)
+        if (past := logits.shape[1] - blocked.shape[1]) > 0:  # ids past the grammar's vocabulary
+            blocked = torch.nn.functional.pad(blocked, (0, past), value=1)
+        blocked = blocked[:, : logits.shape[1]]
         if len(idx) == logits.shape[0]:  # every row constrained: in place
             logits.masked_fill_(blocked.bool(), float("-inf"))
         else:
