@@ -142,13 +142,16 @@ def test_shutdown_frees_the_model_at_once(tmp_path, model_folder):
 
     folder = write_dummy_folder(str(tmp_path / "tiny"), TINY, tokenizer_from=model_folder)
     thresholds = gc.get_threshold()
+    # Python 3.12 holds a few hundred objects in the permanent generation before anything is frozen and
+    # after an unfreeze (375 on the lent H200's 3.12.3, in a fresh process); 3.11 none
+    frozen_before = gc.get_freeze_count()
     with Engine(model_path=folder, load_format="dummy") as engine:
         engine.generate("x", {"max_new_tokens": 2})
         model = weakref.ref(engine.scheduler_service.runner.model)
         # start-up froze what it built (shared/gc_freeze.py: no full-collection stalls of the steps)
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > frozen_before
         assert gc.get_threshold() == STEP_LOOP_THRESHOLDS != thresholds
-    assert gc.get_freeze_count() == 0  # handed back, so the model's cycles are collectable
+    assert gc.get_freeze_count() <= frozen_before  # handed back, so the model's cycles are collectable
     assert gc.get_threshold() == thresholds
     gc.collect()
     assert model() is None
