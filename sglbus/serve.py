@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglbus serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_log_args(p)
-    add_cli_args(p, GatewayConfig, only=("host", "port", "api_key", "served_model_name", "shutdown_timeout"))
+    gateway_options = ("host", "port", "api_key", "served_model_name", "reasoning_parser", "shutdown_timeout")
+    add_cli_args(p, GatewayConfig, only=gateway_options)
     p.add_argument("--tokenizer-worker-num", type=int, default=env("SGLBUS_TOKENIZER_WORKER_NUM", "0"),
                    help="gateway processes sharing the HTTP port, as SGLang's tokenizer workers: each "
                         "parses, tokenizes and streams its share of the connections (default: 0, one per 8 "
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     http = ["--host", gw.host, "--port", str(gw.port)]
     if gw.served_model_name:
         http += ["--served-model-name", gw.served_model_name]
+    if gw.reasoning_parser:
+        http += ["--reasoning-parser", gw.reasoning_parser]
     http += ["--shutdown-timeout", str(gw.shutdown_timeout)]  # serve waits that long for the gateways
     if gateways > 1:
         http.append("--reuse-port")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import option
+from shared.reasoning_parser import REASONING_PARSERS
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,13 @@ class GatewayConfig:
     served_model_name: str | None = option(
         None,
         "the model's name in /v1/models and in OpenAI requests' `model`; unset: the model file's name",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "the model's reasoning format, as SGLang's: /v1/chat/completions then answers its reasoning in "
+        "`reasoning_content` apart from `content` (per request: separate_reasoning, stream_reasoning); "
+        "unset: the answer as the model wrote it",
+        REASONING_PARSERS,
     )
     gateway_id: str | None = option(
         None, "names this gateway's output subject; unset: random (leave it unset on scaled gateways)"
@@ -61,6 +69,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            allowed = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"reasoning_parser must be one of {allowed}, not {self.reasoning_parser!r}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.max_bus_request_bytes < 1024:

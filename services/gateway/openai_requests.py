@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.openai_errors import OpenAIError
+from services.gateway.openai_reasoning import ReasoningPlan, plan_reasoning
 from services.gateway.openai_tools import ToolPlan, plan_tools, tool_calls_text
 
 # OpenAI's own fields per endpoint, beside `model` and the prompt or messages
@@ -38,9 +39,9 @@ _COMMON = (
     "service_tier",
     "safety_identifier",  # OpenAI's request metadata: accepted and not used, as `user`
     "prompt_cache_key",  # the radix cache needs no key
-    # SGLang's request fields that change nothing here at these values (refused otherwise, _REFUSED)
-    "separate_reasoning",
+    "separate_reasoning",  # chat: for the reasoning parser (openai_reasoning.py); completions: not used
     "stream_reasoning",
+    # SGLang's request fields that change nothing here at these values (refused otherwise, _REFUSED)
     "chat_template_kwargs",
     "return_hidden_states",
     "lora_path",
@@ -113,6 +114,7 @@ class OpenAIRequest:
     top_logprobs: int | None  # None: no logprobs asked
     echo: bool  # completions: the prompt before each choice's text
     tools: ToolPlan | None  # chat with tools: how the output is read
+    reasoning: ReasoningPlan | None = None  # chat with the reasoning apart: how the output is split
 
 
 def parse_completion(body: Any, models: tuple[str, ...]) -> OpenAIRequest:
@@ -162,9 +164,13 @@ def parse_completion(body: Any, models: tuple[str, ...]) -> OpenAIRequest:
 
 
 def parse_chat(
-    body: Any, models: tuple[str, ...], render: Callable[[list[dict[str, Any]]], list[int]]
+    body: Any,
+    models: tuple[str, ...],
+    render: Callable[[list[dict[str, Any]]], list[int]],
+    reasoning_parser: str | None = None,
 ) -> OpenAIRequest:
-    """render: the messages (plain role / content dicts) through the model's chat template, as ids."""
+    """render: the messages (plain role / content dicts) through the model's chat template, as ids;
+    reasoning_parser: the server's (None: the answer is not split)."""
     obj = _object(body, _CHAT + ("messages",))
     model = _model(obj, models)
     messages = _messages(obj.get("messages"))
@@ -184,6 +190,7 @@ def parse_chat(
                     "response_format",
                 )
             sampling["json_schema"] = tools.schema
+    reasoning = plan_reasoning(obj, reasoning_parser)
     want = _bool_field(obj, "logprobs", False)
     top = _int_field(obj, "top_logprobs", 0, 20, None)
     if top is not None and not want:
@@ -207,6 +214,7 @@ def parse_chat(
         (top or 0) if want else None,
         False,
         tools,
+        reasoning,
     )
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.gateway.openai_reasoning import ReasoningStreams, split_answer
 from services.gateway.openai_requests import OpenAIRequest
 from services.gateway.request_state import Delta, RequestState
 from shared.finish import api_name
@@ -49,10 +50,11 @@ def chat_response(
 ) -> dict[str, Any]:
     choices = []
     for i, st in enumerate(results):
-        message: dict[str, Any] = {"role": "assistant", "content": st.text}
+        reasoning, text = split_answer(req.reasoning, st.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text, **reasoning}
         reason = api_name(st.finish)
         if req.tools is not None:
-            content, calls = req.tools.parse(st.text)
+            content, calls = req.tools.parse(text)
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
@@ -114,13 +116,16 @@ class StreamShaper:
     """The RequestManager's deltas (one choice each: `index`, the new text and logprob rows, the finish
     reason at the end) -> OpenAI's chunks. With tools (chat,
     tool_choice not "none") a choice's answer is held until it is complete, then sent as content or
-    tool_calls: a call cannot be told from text before it ends."""
+    tool_calls: a call cannot be told from text before it ends (its logprob rows with it). With the
+    reasoning apart (openai_reasoning.py), a chat's reasoning goes as `reasoning_content`, tools or not."""
 
     def __init__(self, req: OpenAIRequest, prompt_texts: list[str], token_bytes: TokenBytes = None) -> None:
         self.req, self.prompt_texts, self.token_bytes = req, prompt_texts, token_bytes
         self.created = int(time.time())
         self._offset: dict[int, int] = {}  # text sent per choice (completions' logprob text_offset)
         self._held: dict[int, str] = {}  # with tools: the answer so far
+        self._held_rows: dict[int, list] = {}  # with tools: its logprob rows not sent yet
+        self._reasoning = ReasoningStreams(req.reasoning)
         self._finals: dict[int, RequestState] = {}
         self.chat = req.kind == "chat"
 
@@ -130,7 +135,7 @@ class StreamShaper:
         reason = api_name(delta.finish)
         out = []
         if i not in self._offset:  # the choice's first chunk
-            self._offset[i], self._held[i] = 0, ""
+            self._offset[i], self._held[i], self._held_rows[i] = 0, "", []
             if self.chat:
                 out.append(self._chunk(i, {"role": "assistant", "content": ""}, None))
             elif self.req.echo:
@@ -139,22 +144,40 @@ class StreamShaper:
                 self._offset[i] = len(echo)
         if reason is not None:
             self._finals[i] = delta.state
-        if self.chat and self.req.tools is not None:  # held until complete
-            self._held[i] += text
-            if reason is None:
-                return out
-            content, calls = self.req.tools.parse(self._held[i])
-            body: dict[str, Any] = {"content": content} if content else {}
-            if calls:
-                body["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-                reason = "tool_calls" if reason == "stop" or self.req.tools.schema is not None else reason
-            out.append(self._chunk(i, body, reason, self._logprobs(i, meta)))
-            return out
+        if self.chat:
+            return out + self._chat_chunks(i, text, meta, reason)
         lp = self._logprobs(i, meta)
         self._offset[i] += len(text)
         if text or lp is not None or reason is not None:
-            out.append(self._chunk(i, {"content": text} if self.chat else text, reason, lp))
+            out.append(self._chunk(i, text, reason, lp))
         return out
+
+    def _chat_chunks(
+        self, i: int, text: str, meta: dict[str, Any], reason: str | None
+    ) -> list[dict[str, Any]]:
+        reasoning, text = self._reasoning.split(i, text, reason is not None)
+        body: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        lp = self._logprobs(i, meta)
+        if self.req.tools is not None:  # the answer held until complete
+            self._held[i] += text
+            self._held_rows[i] += lp["content"] if lp is not None else []
+            if reason is None and not reasoning:
+                return []
+            rows, self._held_rows[i] = self._held_rows[i], []
+            lp = {"content": rows} if rows else None
+            if reason is not None:
+                content, calls = self.req.tools.parse(self._held[i])
+                if content:
+                    body["content"] = content
+                if calls:
+                    body["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                    reason = "tool_calls" if reason == "stop" or self.req.tools.schema is not None else reason
+            return [self._chunk(i, body, reason, lp)]
+        if text or not reasoning:
+            body["content"] = text
+        if text or reasoning or lp is not None or reason is not None:
+            return [self._chunk(i, body, reason, lp)]
+        return []
 
     def usage_chunk(self) -> dict[str, Any]:
         results = [self._finals[i] for i in sorted(self._finals)]

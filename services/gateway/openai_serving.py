@@ -36,9 +36,15 @@ Parsed = tuple[bool, tuple[OpenAIRequest, GenerateInput] | OpenAIError]
 
 
 class OpenAIServing:
-    def __init__(self, requests: RequestManager, models: Callable[[], tuple[str, ...]]) -> None:
-        """models: the names a request may give as `model` (the first is the served name)."""
-        self.requests, self.models = requests, models
+    def __init__(
+        self,
+        requests: RequestManager,
+        models: Callable[[], tuple[str, ...]],
+        reasoning_parser: str | None = None,
+    ) -> None:
+        """models: the names a request may give as `model` (the first is the served name);
+        reasoning_parser: the server's --reasoning-parser (openai_reasoning.py)."""
+        self.requests, self.models, self.reasoning_parser = requests, models, reasoning_parser
         self.tokenizer = requests.tokenizer
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -70,7 +76,7 @@ class OpenAIServing:
             body = decode_json(data)
             stream = isinstance(body, dict) and body.get("stream") is True
             if kind == "chat":
-                req = parse_chat(body, self.models(), self.render)
+                req = parse_chat(body, self.models(), self.render, self.reasoning_parser)
             else:
                 req = parse_completion(body, self.models())
             return stream, (req, parse_generate_input(req.generate))

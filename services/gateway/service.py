@@ -38,7 +38,8 @@ class Gateway:
         self.subjects = Subjects(cfg.subject_prefix)
         self.requests = RequestManager(tokenizer, transport, cfg.subject_prefix, model.vocab_size,
                                        None, cfg.gateway_id)  # fmt: skip
-        self.openai = OpenAIServing(self.requests, lambda: (self.served_model_name, model_path, "default"))
+        self.openai = OpenAIServing(self.requests, lambda: (self.served_model_name, model_path, "default"),
+                                    cfg.reasoning_parser)  # fmt: skip
         self.bus_api = BusApi(self.requests, transport, cfg.max_bus_request_bytes, self.openai)
         self.scheduler_info: dict[str, Any] | None = None
         self._seen: dict[tuple[str, str], float] = {}  # (service, worker) -> last heartbeat

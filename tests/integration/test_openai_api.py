@@ -1,15 +1,24 @@
 """The OpenAI-compatible endpoints through the official `openai` client (sync and async, streaming and
 not) against the served system: the same greedy text as `/generate`, usage, logprobs, n, stop,
-response_format, tools, and errors in OpenAI's shape."""
+response_format, tools, the reasoning parser (a second gateway on the same bus), and errors in OpenAI's
+shape."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import httpx
 import openai
 import pytest
 from it_helpers import generate, greedy
+
+from shared.nats_server import free_port
 
 PROMPT = "The capital of France is"
 WEATHER = {
@@ -31,6 +40,40 @@ WEATHER = {
 def oai(srv):
     with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def thinking(server):
+    """A second gateway on the shared server's bus, with `--reasoning-parser deepseek-r1` (reasoning until
+    `</think>`: the model never writes one by itself, a regex makes it), as the `openai` client."""
+    port, root = free_port(), os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "services.gateway", "--nats-url", server.nats_url, "--host", "127.0.0.1",
+           "--port", str(port), "--reasoning-parser", "deepseek-r1"]  # fmt: skip
+    log_path = os.path.join(server.logdir, "gateway-reasoning.log")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=server.env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(f"http://127.0.0.1:{port}/health"):
+            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.2)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as c:
+            yield c
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def chat_ids(tokenizer, messages):
@@ -223,6 +266,7 @@ def test_fields_that_change_nothing_here_are_accepted(client):
             "return_hidden_states": False, "lora_path": None, "session_params": None}  # fmt: skip
     r = client.post("/v1/chat/completions", json={**chat, **noop})
     assert r.status_code == 200, r.text
+    assert "reasoning_content" not in r.json()["choices"][0]["message"]  # no --reasoning-parser here
     r = client.post("/v1/chat/completions", json={**chat, "lora_path": "adapter"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
 
@@ -249,3 +293,69 @@ def test_tokenize_and_detokenize(client, tokenizer):
     r = client.post("/v1/detokenize", json={"tokens": [ids, ids[:2]]})
     assert r.json()["text"] == [tokenizer.decode(ids), tokenizer.decode(ids[:2])]
     assert client.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+HI = [{"role": "user", "content": "Say hi."}]
+# both parts, whatever the model prefers: reasoning of letters, then an answer
+THINK = r"<think>[a-z]{1,6}( [a-z]{1,6})?</think>[A-Z][a-z]{1,6}( [a-z]{1,6})?"
+
+
+def streamed(chunks):
+    """(reasoning, content, the pieces of reasoning) of a one-choice chat stream."""
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    pieces = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
+    return "".join(pieces), "".join(d.content or "" for d in deltas), pieces
+
+
+def test_forced_reasoning_without_an_end_tag_is_all_reasoning(srv, oai, thinking):
+    asked = {"model": "default", "messages": HI, "max_tokens": 6, "temperature": 0}
+    plain = oai.chat.completions.create(**asked).choices[0].message
+    assert plain.content.strip() and getattr(plain, "reasoning_content", None) is None
+    whole = thinking.chat.completions.create(**asked).choices[0].message
+    assert whole.content == "" and whole.reasoning_content == plain.content.strip()
+    reasoning, content, _ = streamed(thinking.chat.completions.create(**asked, stream=True))
+    assert (reasoning, content) == (whole.reasoning_content, "")
+    kept = thinking.chat.completions.create(**asked, extra_body={"separate_reasoning": False}).choices[0]
+    assert kept.message.content == plain.content and getattr(kept.message, "reasoning_content", None) is None
+
+
+def test_reasoning_and_answer_split_alike_whole_and_streamed(srv, thinking):
+    # logprobs in every request: without, the regex's forced text is jump-forwarded (other tokens, so
+    # another greedy answer)
+    asked = {"model": "default", "messages": HI, "max_tokens": 32, "temperature": 0, "logprobs": True}
+    raw = thinking.chat.completions.create(**asked, extra_body={"regex": THINK, "separate_reasoning": False})
+    text = raw.choices[0].message.content
+    whole = thinking.chat.completions.create(**asked, extra_body={"regex": THINK})
+    msg = whole.choices[0].message
+    assert (
+        msg.reasoning_content
+        and msg.content
+        and f"<think>{msg.reasoning_content}</think>{msg.content}" == text
+    )
+    rows = whole.choices[0].logprobs.content  # every token's, the reasoning's too (and the EOS's)
+    assert "".join(t.token for t in rows).startswith(text) and len(rows) == whole.usage.completion_tokens
+    assert whole.usage.completion_tokens == raw.usage.completion_tokens
+    chunks = list(thinking.chat.completions.create(
+        **asked, stream=True, stream_options={"include_usage": True}, extra_body={"regex": THINK}
+    ))  # fmt: skip
+    assert streamed(chunks)[:2] == (msg.reasoning_content, msg.content)
+    assert [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ] == rows
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    held = thinking.chat.completions.create(
+        **asked, stream=True, extra_body={"regex": THINK, "stream_reasoning": False}
+    )
+    assert streamed(held) == (msg.reasoning_content, msg.content, [msg.reasoning_content])  # one piece
+
+
+def test_tool_calls_come_from_the_answer_after_the_reasoning_for_each_choice(srv, thinking):
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,8}"\}\}\n</tool_call>'
+    out = thinking.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Weather?"}], max_tokens=60, temperature=0.8,
+        seed=3, n=2, tools=[WEATHER], extra_body={"regex": r"<think>[a-z]{1,8}</think>" + call},
+    )  # fmt: skip
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content.isalpha()
+        assert choice.message.tool_calls[0].function.name == "get_weather" and not choice.message.content
