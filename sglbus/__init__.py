@@ -13,7 +13,7 @@ _LANG = (
     "Function", "GlobalConfig", "OpenAI", "ProgramState", "Runtime", "RuntimeEndpoint", "assistant",
     "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
     "get_chat_template", "get_default_backend", "get_server_info", "global_config", "greedy_token_selection",
-    "image", "select", "set_default_backend", "system", "system_begin", "system_end",
+    "image", "select", "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
     "video",
 )  # fmt: skip

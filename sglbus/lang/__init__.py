@@ -26,6 +26,7 @@ from sglbus.lang.api import (
     get_server_info,
     image,
     select,
+    separate_reasoning,
     system,
     system_begin,
     system_end,
@@ -57,7 +58,7 @@ __all__ = [
     "Function", "GlobalConfig", "OpenAI", "ProgramState", "Runtime", "RuntimeEndpoint", "assistant",
     "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
     "get_chat_template", "get_default_backend", "get_server_info", "global_config", "greedy_token_selection",
-    "image", "select", "set_default_backend", "system", "system_begin", "system_end",
+    "image", "select", "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
     "video",
 ]  # fmt: skip

@@ -19,7 +19,8 @@ __all__ = [  # Engine comes from __getattr__, lazily
     "Engine",  # noqa: F822
     "Runtime", "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen",
     "gen_int", "gen_string", "get_default_backend", "get_server_info", "global_config", "image", "select",
-    "set_default_backend", "system", "system_begin", "system_end", "user", "user_begin", "user_end", "video",
+    "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end", "user", "user_begin",
+    "user_end", "video",
 ]  # fmt: skip
 
 
@@ -124,6 +125,28 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
             f"sgl.unconditional_likelihood_normalized (or another ChoiceMethod), got {choices_method!r}"
         )
     return ir.Select(name, list(choices), choices_method)
+
+
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ir.Expr:
+    """SGLang's `separate_reasoning(gen("x"), model_type="deepseek-r1")`: after each gen or select of
+    expr, its reasoning (`<think>`...`</think>` or the model's own tags, shared/reasoning_parser.py)
+    moves from s["x"] and the text to s["x_reasoning_content"] (None when there is none)."""
+    from shared.reasoning_parser import REASONING_PARSERS
+
+    if model_type not in REASONING_PARSERS:
+        allowed = ", ".join(REASONING_PARSERS)
+        raise ValueError(f"separate_reasoning: model_type must be one of {allowed}, got {model_type!r}")
+    steps: list[ir.Expr] = []
+    for step in [] if expr is None else ir.leaves(expr):
+        steps.append(step)
+        if isinstance(step, (ir.Gen, ir.Select)):
+            if step.name is None:
+                raise ValueError(
+                    "separate_reasoning: the gen or select needs a name (its reasoning goes to "
+                    "name_reasoning_content)"
+                )
+            steps.append(ir.SeparateReasoning(model_type, step.name))
+    return ir.ExprList(steps)
 
 
 def image(path: Any) -> ir.Expr:

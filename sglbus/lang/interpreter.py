@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglbus.lang import ir
 from sglbus.lang.params import SamplingParams
+from shared.reasoning_parser import ReasoningParser
 
 if TYPE_CHECKING:
     from sglbus.lang.backends.base import Backend
@@ -83,9 +84,8 @@ class StreamExecutor:
     # -- the program's side ----------------------------------------------------------------------
     def submit(self, x: Any) -> None:
         for step in ir.leaves(x):
-            name = ir.produced_name(step)
-            if name is not None or isinstance(step, (ir.Gen, ir.Select)):
-                with self._changed:
+            with self._changed:
+                for name in ir.produced_names(step):
                     self._pending[name] = self._pending.get(name, 0) + 1
             if self._queue is None:
                 self._run_step(step)
@@ -201,8 +201,7 @@ class StreamExecutor:
             self.error_ = e
         finally:
             with self._changed:
-                name = ir.produced_name(step)
-                if name is not None or isinstance(step, (ir.Gen, ir.Select)):
+                for name in ir.produced_names(step):
                     self._pending[name] -= 1
                 self._changed.notify_all()
 
@@ -240,6 +239,8 @@ class StreamExecutor:
             if step.name not in self._scopes:
                 raise ValueError(f"var_scope {step.name!r} ends without a beginning")
             self.set_var(step.name, self.text_[self._scopes.pop(step.name) :])
+        elif isinstance(step, ir.SeparateReasoning):
+            self._separate_reasoning(step)
         else:
             raise TypeError(f"cannot execute {type(step).__name__}")
 
@@ -282,6 +283,29 @@ class StreamExecutor:
         with self._changed:
             self.text_ += decision.decision
             self.variables[sel.name], self.meta_info[sel.name] = decision.decision, decision.meta_info
+
+    def _separate_reasoning(self, step: ir.SeparateReasoning) -> None:
+        """The gen just run (its text ends text_): the answer stays in its variable and in the text, the
+        reasoning goes to its own variable (None when there is none). n > 1: each sample is split, the
+        text goes on with the first's answer. Streamed, what was sent stays sent; the variables and the
+        final text are split alike."""
+        if self.tracing:
+            raise StopTracing
+        self._spec_reset()
+        parser = ReasoningParser(step.model_type)
+        value = self.variables.get(step.name)
+        samples = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, str) for v in samples):
+            raise ValueError(f"separate_reasoning: no text in variable {step.name!r} to split")
+        split = [parser.parse_non_stream(v) for v in samples]
+        first = samples[0]
+        with self._changed:
+            if self.text_.endswith(first):
+                self.text_ = self.text_[: len(self.text_) - len(first)] + split[0][1]
+            answers, reasonings = [a for _, a in split], [r for r, _ in split]
+            self.variables[step.name] = answers if isinstance(value, list) else answers[0]
+            self.variables[step.reasoning_name] = reasonings if isinstance(value, list) else reasonings[0]
+            self._changed.notify_all()
 
     def prompt(self) -> str:
         """The text so far, with the turns for a backend that talks in messages (a ChatPrompt)."""

@@ -100,6 +100,20 @@ class VarScopeEnd(Expr):
     name: str
 
 
+@dataclass(eq=False)
+class SeparateReasoning(Expr):
+    """After the gen (or select) `name`: its text split by the reasoning parser of `model_type`
+    (shared/reasoning_parser.py): `name` keeps the answer, `name + "_reasoning_content"` gets the
+    reasoning, and the state's text keeps the answer alone."""
+
+    model_type: str
+    name: str | None
+
+    @property
+    def reasoning_name(self) -> str:
+        return f"{self.name}_reasoning_content"
+
+
 def leaves(x: Any) -> list[Expr]:
     """x as the flat list of steps it stands for; TypeError for what a state cannot take."""
     if isinstance(x, ExprList):
@@ -114,13 +128,13 @@ def leaves(x: Any) -> list[Expr]:
     )
 
 
-def produced_name(x: Expr) -> str | None:
-    """The variable a step sets, if any (what `s[name]` waits for)."""
-    if isinstance(x, (Gen, Select)):
-        return x.name
-    if isinstance(x, VarScopeEnd):
-        return x.name
-    return None
+def produced_names(x: Expr) -> list[str | None]:
+    """The variables a step sets (what `s[name]` waits for); a gen or select without a name sets None."""
+    if isinstance(x, (Gen, Select, VarScopeEnd)):
+        return [x.name]
+    if isinstance(x, SeparateReasoning):
+        return [x.name, x.reasoning_name]
+    return []
 
 
 def __getattr__(name: str) -> Any:

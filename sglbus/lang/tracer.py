@@ -126,7 +126,7 @@ class SetVar:
 _KINDS = {ir.Text: "text", Argument: "argument", ir.Gen: "gen", ir.Select: "select",
           ir.RoleBegin: "role_begin", ir.RoleEnd: "role_end", ir.VarScopeBegin: "var_scope_begin",
           ir.VarScopeEnd: "var_scope_end", ir.Image: "image", ir.Video: "video", Fork: "fork", Join: "join",
-          VarRef: "variable", SetVar: "set_var"}  # fmt: skip
+          VarRef: "variable", SetVar: "set_var", ir.SeparateReasoning: "separate_reasoning"}  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -253,8 +253,7 @@ class TraceState(StateRoles):
             return self  # `s += s.user(x)`: s.user(x) appended it already
         for step in ir.leaves(other):
             extra = [step.node] if isinstance(step, VarRef) else []
-            name = ir.produced_name(step)
-            produces = [name] if name is not None or isinstance(step, (ir.Gen, ir.Select)) else []
+            produces = ir.produced_names(step)
             node = self.trace.add(self.stream, step, extra, produces)
             for n in produces:
                 self.variables[n] = node

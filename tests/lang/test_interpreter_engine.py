@@ -153,6 +153,25 @@ def test_gen_int_regex_and_n(backend):
     assert state.text().endswith("A word:" + state["w"][0])
 
 
+def test_separate_reasoning_on_the_model(backend):
+    """A regex makes the model think in <think> tags; each of n samples is split as the parser splits
+    its raw text."""
+    from shared.reasoning_parser import ReasoningParser
+
+    think = r"<think>[a-z ]{1,12}</think>[A-Z][a-z]{1,6}"
+
+    @sgl.function
+    def thinker(s, split):
+        gen = sgl.gen("a", n=2, max_tokens=40, temperature=0, regex=think)
+        s += "Think, then name a city:" + (sgl.separate_reasoning(gen, model_type="qwen3") if split else gen)
+
+    raw, state = thinker.run(split=False), thinker.run(split=True)
+    assert raw.error() is None and state.error() is None
+    want = [ReasoningParser("qwen3").parse_non_stream(t) for t in raw["a"]]
+    assert state["a_reasoning_content"] == [r for r, _ in want] and all(r for r, _ in want)
+    assert state["a"] == [a for _, a in want] and state.text().endswith(want[0][1])
+
+
 def test_stream_text_iter_sync_and_async(backend):
     @sgl.function
     def qa(s, question):
