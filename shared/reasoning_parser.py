@@ -13,6 +13,11 @@ A reasoning block without its end tag (the output was cut short) is reasoning to
 is "". The reasoning is stripped of surrounding whitespace, the answer of its leading whitespace after
 the end tag. Text after the end tag is the answer, tags and all.
 
+Where SGLang differs: its whole-text parse opens reasoning at a `<think>` anywhere in the text (what came
+before it counts as reasoning), drops every `<think>`, and strips the answer at both ends, while its
+stream parse does not; here only an opening tag at the start opens reasoning, later tags are text, and
+the two parses agree.
+
 Stream and whole text agree: the pieces `parse_stream_chunk` and `flush` give, joined, are what
 `parse_non_stream` gives for the joined text, however it was cut. A stream holds back only what may
 still change meaning: the start of a possible tag and whitespace that may turn out to be stripped
@@ -21,7 +26,7 @@ still change meaning: the start of a possible tag and whitespace that may turn o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,19 @@ class ReasoningParser:
     """One answer's parser: `parse_non_stream` for a whole text (any time, no state), or
     `parse_stream_chunk` for each new piece of a stream and `flush` once it ends."""
 
-    def __init__(self, model_type: str, stream_reasoning: bool = True) -> None:
+    def __init__(
+        self, model_type: str, stream_reasoning: bool = True, force_reasoning: bool | None = None
+    ) -> None:
+        """force_reasoning: whether the text is reasoning from its start without an opening tag (None:
+        the model type's own; False for an output a grammar constrained, which has no end tag unless
+        the grammar wrote one)."""
         fmt = _FORMATS.get(model_type)
         if fmt is None:
             raise ValueError(
                 f"unknown reasoning parser {model_type!r}; allowed: {', '.join(REASONING_PARSERS)}"
             )
         self.model_type, self.stream_reasoning = model_type, stream_reasoning
-        self._fmt = fmt
+        self._fmt = fmt if force_reasoning is None else replace(fmt, forced=force_reasoning)
         self._state = _OPENING
         self._pending = ""  # received, not given out: a possible tag's start, whitespace that may go
         self._held = ""  # stream_reasoning=False: the reasoning given out so far, until it ends

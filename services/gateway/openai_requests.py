@@ -39,7 +39,7 @@ _COMMON = (
     "service_tier",
     "safety_identifier",  # OpenAI's request metadata: accepted and not used, as `user`
     "prompt_cache_key",  # the radix cache needs no key
-    "separate_reasoning",  # chat: for the reasoning parser (openai_reasoning.py); completions: not used
+    "separate_reasoning",  # chat: the reasoning parser (openai_reasoning.py); completions: checked, unused
     "stream_reasoning",
     # SGLang's request fields that change nothing here at these values (refused otherwise, _REFUSED)
     "chat_template_kwargs",
@@ -147,6 +147,7 @@ def parse_completion(body: Any, models: tuple[str, ...]) -> OpenAIRequest:
         raise OpenAIError(f"best_of = {best_of} is not supported; leave it unset or equal to n", "best_of")
     top = _int_field(obj, "logprobs", 0, 5, None)
     echo = _bool_field(obj, "echo", False)
+    plan_reasoning(obj, None)  # separate_reasoning / stream_reasoning: checked as on chat, not used
     gen["sampling_params"] = sampling
     _logprobs(gen, top, prompt_too=echo)
     return OpenAIRequest(
@@ -190,7 +191,8 @@ def parse_chat(
                     "response_format",
                 )
             sampling["json_schema"] = tools.schema
-    reasoning = plan_reasoning(obj, reasoning_parser)
+    constrained = any(sampling.get(k) is not None for k in ("json_schema", "regex", "ebnf"))
+    reasoning = plan_reasoning(obj, reasoning_parser, constrained)
     want = _bool_field(obj, "logprobs", False)
     top = _int_field(obj, "top_logprobs", 0, 20, None)
     if top is not None and not want:

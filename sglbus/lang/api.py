@@ -130,7 +130,10 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
 def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ir.Expr:
     """SGLang's `separate_reasoning(gen("x"), model_type="deepseek-r1")`: after each gen or select of
     expr, its reasoning (`<think>`...`</think>` or the model's own tags, shared/reasoning_parser.py)
-    moves from s["x"] and the text to s["x_reasoning_content"] (None when there is none)."""
+    moves from s["x"] and the text to s["x_reasoning_content"] (None when there is none). The output of
+    a select, or of a gen with a regex, json_schema or dtype, holds reasoning only behind a leading
+    opening tag, even for a model type that reasons without one (deepseek-r1): the grammar leaves the
+    model no room to think first."""
     from shared.reasoning_parser import REASONING_PARSERS
 
     if model_type not in REASONING_PARSERS:
@@ -145,7 +148,11 @@ def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ir.Ex
                     "separate_reasoning: the gen or select needs a name (its reasoning goes to "
                     "name_reasoning_content)"
                 )
-            steps.append(ir.SeparateReasoning(model_type, step.name))
+            params = step.params if isinstance(step, ir.Gen) else None
+            constrained = params is None or any(
+                v is not None for v in (params.regex, params.json_schema, params.dtype)
+            )  # a select's text is one of its choices
+            steps.append(ir.SeparateReasoning(model_type, step.name, constrained))
     return ir.ExprList(steps)
 
 

@@ -292,7 +292,7 @@ class StreamExecutor:
         if self.tracing:
             raise StopTracing
         self._spec_reset()
-        parser = ReasoningParser(step.model_type)
+        parser = ReasoningParser(step.model_type, force_reasoning=False if step.constrained else None)
         value = self.variables.get(step.name)
         samples = value if isinstance(value, list) else [value]
         if not all(isinstance(v, str) for v in samples):

@@ -108,6 +108,7 @@ class SeparateReasoning(Expr):
 
     model_type: str
     name: str | None
+    constrained: bool = False  # a select, or a gen with a regex / json_schema / dtype: see ReasoningParser
 
     @property
     def reasoning_name(self) -> str:

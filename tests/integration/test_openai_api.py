@@ -359,3 +359,14 @@ def test_tool_calls_come_from_the_answer_after_the_reasoning_for_each_choice(srv
     for choice in out.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content.isalpha()
         assert choice.message.tool_calls[0].function.name == "get_weather" and not choice.message.content
+    # a call the grammar forces from the first token: deepseek-r1's reasoning-from-the-start does not
+    # swallow it (the model has no room to think there)
+    forced = thinking.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Weather?"}], max_tokens=40, temperature=0,
+        tools=[WEATHER], tool_choice="required",
+    )  # fmt: skip
+    (choice,) = forced.choices
+    assert (
+        choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    )
+    assert getattr(choice.message, "reasoning_content", None) is None

@@ -70,3 +70,22 @@ def test_bad_arguments_name_what_is_allowed():
         sgl.separate_reasoning(sgl.gen("a"), model_type="gpt-9")
     with pytest.raises(ValueError, match="needs a name"):
         sgl.separate_reasoning(sgl.gen(), model_type="qwen3")
+
+
+def test_a_constrained_gen_or_a_select_is_not_taken_for_forced_reasoning():
+    """deepseek-r1 reasons without an opening tag; a gen under a regex (or a select, whose text is a
+    choice) cannot think first, so its text is the answer unless it starts with the tag."""
+
+    @sgl.function
+    def pick(s):
+        gen = sgl.gen("n", regex=r" [A-Z][a-z]+", max_tokens=8)
+        s += HEAD + sgl.separate_reasoning(gen, model_type="deepseek-r1")
+
+    state = pick.run(backend=ScriptedBackend(HEAD + " Paris"))
+    assert state.error() is None, state.error()
+    assert (state["n"], state["n_reasoning_content"]) == (" Paris", None)
+    steps = sgl.separate_reasoning(sgl.select("c", choices=["yes", "no"]), model_type="deepseek-r1").items
+    assert (
+        steps[-1].constrained
+        and not sgl.separate_reasoning(sgl.gen("g"), model_type="qwen3").items[-1].constrained
+    )

@@ -127,3 +127,39 @@ def test_streamed_logprob_rows_go_out_once_with_reasoning_and_tools(tools):
         )
     else:
         assert joined(chunks, 0, "content") == CALL
+
+
+def test_a_grammar_constrained_answer_is_not_taken_for_forced_reasoning():
+    """deepseek-r1 reasons from the first token without `<think>`; a grammar (tool_choice "required",
+    response_format, regex) shapes the answer from its first token, so there the reasoning opens only
+    at a leading `<think>` the grammar itself wrote."""
+    forced = {"type": "function", "function": {"name": FN["function"]["name"]}}
+    for body in (
+        {"tools": [FN], "tool_choice": "required"},
+        {"tools": [FN], "tool_choice": forced},
+        {"response_format": {"type": "json_object"}},
+        {"regex": r"\{.*\}"},
+    ):
+        req = chat("deepseek-r1", **body)
+        assert req.reasoning is not None and req.reasoning.constrained, body
+    args = '{"name": "f", "arguments": {"a": 1}}'
+    (choice,) = chat_response(chat("deepseek-r1", tools=[FN], tool_choice="required"), [result(args)], 0)[
+        "choices"
+    ]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] is None
+    (choice,) = chat_response(chat("deepseek-r1", regex="<think>.*"), [result("<think>x</think>y")], 0)[
+        "choices"
+    ]
+    assert choice["message"]["reasoning_content"] == "x" and choice["message"]["content"] == "y"
+    assert not chat("deepseek-r1").reasoning.constrained  # unconstrained: forced as the model type says
+    (cut,) = chat_response(chat("deepseek-r1"), [result("thinking on")], 0)["choices"]
+    assert cut["message"]["reasoning_content"] == "thinking on"
+
+
+def test_completions_check_the_reasoning_fields_too():
+    from services.gateway.openai_requests import parse_completion
+
+    assert parse_completion({"prompt": "x", "separate_reasoning": True}, MODELS).kind == "completion"
+    with pytest.raises(OpenAIError) as e:
+        parse_completion({"prompt": "x", "stream_reasoning": 1}, MODELS)
+    assert e.value.param == "stream_reasoning"
