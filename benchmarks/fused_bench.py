@@ -1,4 +1,4 @@
-"""The fused Triton kernels (kernels/) against the torch ops they replace, on the GPU, at Llama-3-8B
+"""The fused Triton kernels (sglbus_kernels/) against the torch ops they replace, on the GPU, at Llama-3-8B
 sizes in bf16: median time of triton.testing.do_bench and the bandwidth of the bytes the fused kernel
 must move (the same byte count for both columns, so GB/s compares like with like).
 
@@ -35,10 +35,10 @@ def torch_rope(q, k, cos, sin, positions):
 
 def cases(t: int) -> list[tuple[str, Callable, Callable, int]]:
     """(name, torch version, fused version, bytes the fused kernel reads and writes) at t tokens."""
-    from kernels.activation import silu_and_mul
-    from kernels.kv_store import store_kv
-    from kernels.norm import fused_add_rms_norm, rms_norm
-    from kernels.rope import rope_store_kv
+    from sglbus_kernels.activation import silu_and_mul
+    from sglbus_kernels.kv_store import store_kv
+    from sglbus_kernels.norm import fused_add_rms_norm, rms_norm
+    from sglbus_kernels.rope import rope_store_kv
 
     def randn(*shape):
         return torch.randn(*shape, device="cuda", dtype=DTYPE)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.step_time import cuda_time, graphed
-from kernels.greedy_argmax import greedy_argmax
+from sglbus_kernels.greedy_argmax import greedy_argmax
 
 HIDDEN, INTER, VOCAB, Q, KV = 4096, 14336, 128256, 4096, 1024
 # name -> (N, K) of the weight

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels.cascade_plan import CascadePlan, block_r
-from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch
-from kernels.extend_attention import extend_attention
+from sglbus_kernels.cascade_plan import CascadePlan, block_r
+from sglbus_kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch
+from sglbus_kernels.extend_attention import extend_attention
 
 FLOOR_BYTES_PER_S = 4.25e12
 DECODE_SHAPES = [(1, 512), (64, 512), (256, 512), (1024, 512), (32, 8192)]  # (batch, seq_len)

@@ -101,16 +101,16 @@ def summarize_laps(laps: list[tuple[str, int, dict[str, float]]]) -> str:
 
 
 def triton_variants() -> str:
-    """How many variants of each Triton kernel in kernels/ this process has compiled, e.g.
+    """How many variants of each Triton kernel in sglbus_kernels/ this process has compiled, e.g.
     `_extend_kernel 1`: more than one per kernel for a fixed model means per-step specialisation."""
     import importlib
     import pkgutil
 
-    import kernels
+    import sglbus_kernels
 
     counts = []
-    for info in pkgutil.iter_modules(kernels.__path__):
-        for name, obj in vars(importlib.import_module(f"kernels.{info.name}")).items():
+    for info in pkgutil.iter_modules(sglbus_kernels.__path__):
+        for name, obj in vars(importlib.import_module(f"sglbus_kernels.{info.name}")).items():
             caches = getattr(obj, "device_caches", None)
             n = sum(len(c[0]) for c in caches.values()) if isinstance(caches, dict) else 0
             if n:

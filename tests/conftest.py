@@ -9,7 +9,7 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-# without a GPU, Triton kernels (kernels/, the triton attention backend) run in Triton's interpreter;
+# without a GPU, Triton kernels (sglbus_kernels/, the triton attention backend) run in Triton's interpreter;
 # it is read when a kernel module is imported, so it is set before any test module loads
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

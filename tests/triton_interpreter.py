@@ -1,4 +1,4 @@
-"""Triton's interpreter (TRITON_INTERPRET=1, how kernels/ runs on CPU in CI), made to compute as the GPU
+"""Triton's interpreter (TRITON_INTERPRET=1, how sglbus_kernels/ runs in CI), made to compute as the GPU
 does. Two faults of Triton 3.6's interpreter are patched here, once, for the whole session:
 
 - a scalar becomes an index through int() of a 1-element array, which numpy >= 2.4 refuses, so every

@@ -1,5 +1,5 @@
 """Which decoding requests share a long cached prefix, for the cascade decode kernel
-(kernels/cascade_attention.py; `--enable-cascade-attention`, backends with `supports_cascade`).
+(sglbus_kernels/cascade_attention.py; `--enable-cascade-attention`, backends with `supports_cascade`).
 
 The radix cache already knows: a running request locks every node from its last cached node up to
 the root, so a node's lock_ref counts the running requests whose prompt passes through it. A request
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cascade_plan import CascadePlan, block_r
 from services.scheduler.host_copy import to_device
 from services.scheduler.radix_cache import TreeNode
 from services.scheduler.request import Req
+from sglbus_kernels.cascade_plan import CascadePlan, block_r
 
 CASCADE_MIN_GROUP = 8  # members sharing the prefix, in the tree and in the step
 CASCADE_MIN_PREFIX = 256  # tokens of shared prefix

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cascade_plan import CascadePlan
 from services.scheduler.host_copy import to_device
+from sglbus_kernels.cascade_plan import CascadePlan
 
 
 class ForwardMode(enum.Enum):
@@ -50,7 +50,7 @@ class ForwardBatch:
     extend_lens_cpu: torch.Tensor
     max_extend_len: int
     num_decode: int  # the first num_decode requests add one token each (all of them in DECODE mode)
-    # shared prefixes among the decode rows (kernels/cascade_attention.py), or None
+    # shared prefixes among the decode rows (sglbus_kernels/cascade_attention.py), or None
     cascade: CascadePlan | None = None
 
     @property

@@ -3,7 +3,7 @@
 The model builds one `Rotary`; every layer hands its q and k, not yet rotated, to the attention
 backend together with it, and the backend rotates them where it stores the keys: the torch backend
 with `Rotary.rotate` (transformers' numerics, so fp32 greedy output matches HF), the triton backend
-in the kernel that writes the pool (kernels/rope.py `rope_store_kv`: q rotated in place, k rotated on
+in the kernel that writes the pool (sglbus_kernels/rope.py `rope_store_kv`: q rotated in place, k rotated on
 its way into its slot, v copied; one launch and one read of k instead of a RoPE pass and a store).
 """
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.cascade_plan import CascadePlan
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
+from sglbus_kernels.cascade_plan import CascadePlan
 
 # a step of short extends may run as one-token rows (`as_rows`) when each extend has at most this many
 # tokens and the rows re-read at most this many KV entries in all (row j of an extend reads its prefix

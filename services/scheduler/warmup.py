@@ -4,8 +4,8 @@ kernels compile (and cuBLAS and the caching allocator settle) outside any reques
 On a fresh machine each kernel variant compiles at its first use, 0.6-0.9 s on an H200; without this
 the first mixed prefill + decode steps of a workload took 0.8-0.9 s instead of 0.2 s (docs/benchmarks.md).
 The variants a step can pick are few: the decode kernel's split count (a power of two chosen from the
-batch size, kernels/decode_attention.py), the extend kernel, and the fused layer kernels; index
-arrays are exempt from alignment specialisation (kernels/index_args.py), so nothing else multiplies
+batch size, sglbus_kernels/decode_attention.py), the extend kernel, and the fused layer kernels; index
+arrays are exempt from alignment specialisation (sglbus_kernels/index_args.py), so nothing else multiplies
 them. The warm-up runs eager decode batches of 1, 2, 4 .. 128 requests (every split count), one mixed
 batch (decodes, then extends with and without a cached prefix) and a greedy draw of its logits, plus
 the grammar bitmask and penalty kernels. Every row is req_to_token's padding row and every new token
@@ -60,12 +60,14 @@ def warm_up(runner) -> float:
     info = SamplingInfo.build([SamplingParams(temperature=0.0)] * len(_MIXED), logits.shape[1], runner.device)
     runner.sample(logits, info, torch.zeros(len(_MIXED), 1, dtype=torch.int64, device=runner.device))
     if runner.device.type == "cuda":
-        from kernels.grammar_mask import apply_bitmask
+        from sglbus_kernels.grammar_mask import apply_bitmask
 
         words = torch.full((1, (logits.shape[1] + 31) // 32), -1, dtype=torch.int32, device=runner.device)
         one = torch.zeros(1, dtype=torch.int64, device=runner.device)
         apply_bitmask(logits, words, one)
-        from kernels.penalties import apply_penalties  # its two variants, on float32 rows as SampleStep's
+        from sglbus_kernels.penalties import (
+            apply_penalties,
+        )  # its two variants, on float32 rows as SampleStep's
 
         rows, zero = logits[:1].float(), torch.zeros(1, device=runner.device)
         counts = torch.zeros(1, logits.shape[1], dtype=torch.int32, device=runner.device)

@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels.cascade_plan import CascadePlan, block_r  # noqa: E402
-from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch  # noqa: E402
-from kernels.extend_attention import extend_attention  # noqa: E402
+from sglbus_kernels.cascade_plan import CascadePlan, block_r  # noqa: E402
+from sglbus_kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch  # noqa: E402
+from sglbus_kernels.extend_attention import extend_attention  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -12,10 +12,10 @@ pytest.importorskip("triton")
 
 from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel_err, rope_tables  # noqa: E402
 
-from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.kv_store import store_kv  # noqa: E402
-from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import rope_store_kv  # noqa: E402
+from sglbus_kernels.activation import silu_and_mul  # noqa: E402
+from sglbus_kernels.kv_store import store_kv  # noqa: E402
+from sglbus_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from sglbus_kernels.rope import rope_store_kv  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, DIM = 4096, 14336, 32, 8, 128
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}

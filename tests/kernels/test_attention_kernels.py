@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 without CUDA
 
 
-from kernels.cascade_plan import CascadePlan, block_r  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
-from kernels.extend_attention import extend_attention  # noqa: E402
+from sglbus_kernels.cascade_plan import CascadePlan, block_r  # noqa: E402
+from sglbus_kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
+from sglbus_kernels.extend_attention import extend_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}

@@ -15,10 +15,10 @@ pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 withou
 
 from kernel_refs import EPS, mismatch, ref_norm, ref_rope, ref_silu_and_mul, rel_err, rope_tables  # noqa: E402
 
-from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.kv_store import store_kv  # noqa: E402
-from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import rope_store_kv  # noqa: E402
+from sglbus_kernels.activation import silu_and_mul  # noqa: E402
+from sglbus_kernels.kv_store import store_kv  # noqa: E402
+from sglbus_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from sglbus_kernels.rope import rope_store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 without CUDA
 
-from kernels.grammar_mask import apply_bitmask  # noqa: E402
+from sglbus_kernels.grammar_mask import apply_bitmask  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 without CUDA
 
-from kernels.greedy_argmax import greedy_argmax  # noqa: E402
 from services.scheduler.sampling.sampler import _LOGIT_CAP, SamplingInfo, sample  # noqa: E402
+from sglbus_kernels.greedy_argmax import greedy_argmax  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")  # tests/conftest.py set TRITON_INTERPRET=1 without CUDA
 
-from kernels.penalties import apply_penalties  # noqa: E402
+from sglbus_kernels.penalties import apply_penalties  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

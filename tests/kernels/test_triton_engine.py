@@ -83,8 +83,8 @@ def test_short_extends_as_decode_rows_match_torch(make_engine, tiny, torch_ref):
 def test_shared_prefix_decode_matches_torch(make_engine, tiny, monkeypatch):
     """Four requests over one cached 40-token prefix decode through the cascade kernel (thresholds
     lowered to fit the tiny model) and give the torch backend's greedy tokens."""
-    import kernels.decode_attention as decode
     import services.scheduler.cascade as cascade
+    import sglbus_kernels.decode_attention as decode
 
     monkeypatch.setattr(cascade, "CASCADE_MIN_GROUP", 4)
     monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 16)

@@ -2,7 +2,7 @@
 the torch reference never needs Triton.
 
     torch    torch SDPA over gathered KV: the CPU reference (and CI)
-    triton   kernels/ reading the pool in place: the default on CUDA, CUDA-graph capable
+    triton   sglbus_kernels/ reading the pool in place: the default on CUDA, CUDA-graph capable
 
 flashinfer is not built: its wheel and its dependencies cannot reach the lent GPU, so it could not be
 tested there (docs/architecture.md).

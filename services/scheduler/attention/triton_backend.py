@@ -1,15 +1,15 @@
-"""Attention on Triton kernels (kernels/) that read the token-level pool in place: no KV is gathered
+"""Attention on Triton kernels (sglbus_kernels/) that read the token-level pool in place: no KV is gathered
 or copied. The default on CUDA; under `TRITON_INTERPRET=1` it also runs on CPU (tests).
 
-    store     kernels.rope.rope_store_kv: q and k rotated (RoPE) and the step's new K/V written to
-              their slots in one launch (kernels.kv_store without RoPE)
-    DECODE    kernels.decode_attention: flash-decoding (split-K over the sequence), GQA-grouped;
+    store     sglbus_kernels.rope.rope_store_kv: q and k rotated (RoPE) and the step's new K/V written to
+              their slots in one launch (sglbus_kernels.kv_store without RoPE)
+    DECODE    sglbus_kernels.decode_attention: flash-decoding (split-K over the sequence), GQA-grouped;
               the grid depends only on the batch size, so a CUDA graph captures it
-    EXTEND    kernels.extend_attention: causal attention over cached prefix + new tokens, per request;
+    EXTEND    sglbus_kernels.extend_attention: causal attention over cached prefix + new tokens, per request;
               the batch's leading one-token requests (decodes mixed in, `fb.num_decode`) go to the
               decode kernel instead, which reads each kv head once for its whole q-head group
     CASCADE   with `fb.cascade` (services/scheduler/cascade.py), a shared prefix is attended once
-              per tile of its requests (kernels.cascade_attention) inside decode_attention
+              per tile of its requests (sglbus_kernels.cascade_attention) inside decode_attention
 
 Nothing is planned per step: the kernels read the batch's device tensors directly.
 """
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch
-from kernels.extend_attention import extend_attention
-from kernels.kv_store import store_kv
-from kernels.rope import rope_store_kv
 from services.scheduler.attention.base import AttentionBackend
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.rotary import Rotary
+from sglbus_kernels.decode_attention import DEFAULT_KV_SPLITS, decode_attention, decode_scratch
+from sglbus_kernels.extend_attention import extend_attention
+from sglbus_kernels.kv_store import store_kv
+from sglbus_kernels.rope import rope_store_kv
 
 
 class TritonAttention(AttentionBackend):

@@ -1,6 +1,6 @@
 """The elementwise and normalisation steps of a decoder layer, in two implementations with one
 interface: `TorchOps` (the reference; transformers' numerics, so fp32 greedy output matches HF token
-for token) and `TritonOps` (kernels/: one fused launch per step instead of several torch ops).
+for token) and `TritonOps` (sglbus_kernels/: one fused launch per step instead of several torch ops).
 
     add_rms_norm(x, residual, w, eps)   (rms_norm(x + residual), x + residual)
     gate_up_silu(h, w)                  silu(h Wg^T) * (h Wu^T) for the fused weight w = [Wg; Wu]
@@ -45,8 +45,8 @@ class TritonOps:
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels.activation import silu_and_mul
-        from kernels.norm import fused_add_rms_norm, rms_norm
+        from sglbus_kernels.activation import silu_and_mul
+        from sglbus_kernels.norm import fused_add_rms_norm, rms_norm
 
         self._rms_norm, self._add_rms_norm = rms_norm, fused_add_rms_norm
         self._silu_and_mul = silu_and_mul

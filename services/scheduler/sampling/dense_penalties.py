@@ -4,7 +4,7 @@
                               req_to_token row (int32)
     prompt_seen[row, token]   whether it is in that request's prompt (only for repetition_penalty)
 
-On CUDA a step applies all three in one Triton pass over the penalised rows (kernels/penalties.py:
+On CUDA a step applies all three in one Triton pass over the penalised rows (sglbus_kernels/penalties.py:
 each row's logits, counts and prompt marks read once, the logits written in place); elsewhere it
 gathers the rows, applies them in [U, vocab] torch passes and scatters them back (~20 passes with
 temporaries: ~6 ms a step at 1,400 penalised rows of a 128k vocabulary on an H200, against ~0.7 ms
@@ -101,8 +101,8 @@ class DensePenaltyProcessor(LogitsProcessor):
         if plan is None:
             return
         self._write_admitted()
-        if logits.is_cuda and logits.dtype == torch.float32:  # one fused pass (kernels/penalties.py)
-            from kernels.penalties import apply_penalties
+        if logits.is_cuda and logits.dtype == torch.float32:  # one fused pass (sglbus_kernels/penalties.py)
+            from sglbus_kernels.penalties import apply_penalties
 
             rep = None if plan.rep is None else plan.rep.view(-1)
             apply_penalties(logits, plan.idx, plan.rows, self.counts, self.prompt_seen, plan.freq.view(-1),

@@ -2,7 +2,7 @@
 tokens their grammar allows next (everything else scores -inf). Each matcher fills its row of a host
 int32 bitmask (one bit per token id, as wide as the grammar's vocabulary: ids of a model's vocabulary
 padded past the tokenizer's tokens are never allowed); one copy to the device, one masked write for all
-constrained rows (on CUDA the Triton kernel of kernels/grammar_mask.py, in place; on a CPU each mask
+constrained rows (on CUDA the Triton kernel of sglbus_kernels/grammar_mask.py, in place; on a CPU each mask
 byte looked up as its 8 bits, 3x faster than shifting every bit out). Rows without a grammar cost nothing.
 
 The matchers advance on the host when the step's tokens are known (`Scheduler._complete`), not
@@ -153,7 +153,7 @@ class GrammarMaskProcessor(LogitsProcessor):
     def _mask(self, logits: torch.Tensor, words: torch.Tensor, idx: list[int]) -> None:
         rows = to_device(idx, torch.int64, logits.device)
         if logits.is_cuda:  # in place, no [rows, vocab] temporary
-            from kernels.grammar_mask import apply_bitmask
+            from sglbus_kernels.grammar_mask import apply_bitmask
 
             apply_bitmask(logits, words, rows)
             return

@@ -117,7 +117,7 @@ def sample(
 
             return _by_slices(draw, logits.shape)
     elif info.all_greedy and logits.is_cuda:
-        from kernels.greedy_argmax import greedy_argmax
+        from sglbus_kernels.greedy_argmax import greedy_argmax
 
         return greedy_argmax(logits, _LOGIT_CAP)
     return _by_slices(

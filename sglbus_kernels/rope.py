@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.index_args import index_jit
-from kernels.kv_store import _copy_heads
+from sglbus_kernels.index_args import index_jit
+from sglbus_kernels.kv_store import _copy_heads
 
 
 @triton.jit

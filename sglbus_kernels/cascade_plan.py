@@ -1,4 +1,4 @@
-"""The shared-prefix decode kernel's plan (kernels/cascade_attention.py), importable without Triton:
+"""The shared-prefix decode kernel's plan (sglbus_kernels/cascade_attention.py), importable without Triton:
 the scheduler builds it (services/scheduler/cascade.py) and the ForwardBatch carries it."""
 
 from __future__ import annotations

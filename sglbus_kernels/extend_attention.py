@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot_operands import dot_operands
-from kernels.index_args import index_jit
-from kernels.online_softmax import attend_tile
+from sglbus_kernels.dot_operands import dot_operands
+from sglbus_kernels.index_args import index_jit
+from sglbus_kernels.online_softmax import attend_tile
 
 _LOG2E = 1.4426950408889634
 

@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cascade_attention import shared_prefix_attention
-from kernels.cascade_plan import CascadePlan
-from kernels.dot_operands import dot_operands
-from kernels.index_args import index_jit
-from kernels.online_softmax import attend_keys
+from sglbus_kernels.cascade_attention import shared_prefix_attention
+from sglbus_kernels.cascade_plan import CascadePlan
+from sglbus_kernels.dot_operands import dot_operands
+from sglbus_kernels.index_args import index_jit
+from sglbus_kernels.online_softmax import attend_keys
 
 # S, the number of key splits per request: enough programs to fill an H200's 132 SMs at batch 1-32
 DEFAULT_KV_SPLITS = 16

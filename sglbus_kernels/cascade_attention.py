@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cascade_plan import CascadePlan
-from kernels.dot_operands import dot_operands
-from kernels.index_args import index_jit
-from kernels.online_softmax import attend_keys
+from sglbus_kernels.cascade_plan import CascadePlan
+from sglbus_kernels.dot_operands import dot_operands
+from sglbus_kernels.index_args import index_jit
+from sglbus_kernels.online_softmax import attend_keys
 
 _LOG2E = 1.4426950408889634
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.index_args import index_jit
+from sglbus_kernels.index_args import index_jit
 
 _BLOCK = 4096
 
