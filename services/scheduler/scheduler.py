@@ -347,14 +347,7 @@ class Scheduler(RequestIntake, PoolState):
         self.stats["overlapped_steps"] += self._inflight is not None  # launched while another runs
         # the step's KV is the requests' now: count it computed at launch, so the next step (under
         # overlap, scheduled before this one completes) plans from here
-        # prompt extends (a chunk, a whole prompt, a retracted request's prompt and output again) share
-        # their prefix at once; a running request's jump-forward extend (output tokens alone) waits for
-        # its finish, as decoded tokens do: caching it each step cost the GPU host ~40% of a JSON step's end
-        prefilled = [
-            (r, r.num_computed + r.extend_len)
-            for r in batch
-            if r.extend_len > 1 and r.num_computed < len(r.prompt)
-        ]
+        prefilled = step.prompt_extends
         for r in batch:
             r.num_computed += r.extend_len
             r.extend_len = 0

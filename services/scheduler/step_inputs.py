@@ -39,6 +39,11 @@ class StepInputs:
     # tokens the step in flight drew: their indices here, then the rows of that step's draw (flat)
     from_flight: list[int] = field(default_factory=list)
     flight_rows: list[int] = field(default_factory=list)
+    # requests whose extend holds prompt tokens (a chunk, a whole prompt, a retracted request's prompt
+    # and output again), with their computed length after the step: their prefix is shared at once; a
+    # running request's jump-forward extend (output tokens alone) waits for its finish, as decoded
+    # tokens do (caching it each step was ~40% of a constrained JSON step's end)
+    prompt_extends: list[tuple[Req, int]] = field(default_factory=list)
     num_tokens: int = 0
 
     @classmethod
@@ -60,6 +65,8 @@ class StepInputs:
                 s.ids.append(r.prompt[c] if c < p else r.output[c - p])
             else:
                 s.ids.extend(r.fill[c : c + n])
+                if n > 1 and c < p:
+                    s.prompt_extends.append((r, c + n))
             if r.lp_pos < r.lp_end:  # the cache match stopped at lp_pos, so c <= lp_pos
                 a, b = r.lp_pos, min(r.lp_end, c + n)
                 if b > a:
