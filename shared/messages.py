@@ -34,6 +34,9 @@ class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     out_subject: str  # where the detokenizer sends this request's text
     created: float = 0.0  # gateway wall-clock time, for latency accounting
     logprob: LogprobReq | None = None
+    # require_reasoning: the tag that ends the model's reasoning ("</think>"); a grammar applies only
+    # to the output after it (services/scheduler/constrained/reasoning_gate.py). "": from the start
+    reasoning_end: str = ""
     # requests that run on the same scheduler once this one ended (the n > 1 samples after the
     # prefill that leaves their prompt in the prefix cache); one work-queue delivery with it
     then: list[GenerateReq] = []

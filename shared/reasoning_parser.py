@@ -48,6 +48,22 @@ _FORMATS = {
     "step3": _Format(*_THINK, forced=True),
 }
 REASONING_PARSERS: tuple[str, ...] = tuple(_FORMATS)
+# whether a chat model of the type reasons before its answer unless told otherwise (SGLang: deepseek-v3
+# thinks only with chat_template_kwargs {"thinking": true}, which this server does not take)
+_REASONS_BY_DEFAULT = {t: t != "deepseek-v3" for t in _FORMATS}
+
+
+def reasoning_end(model_type: str) -> str:
+    """The tag that ends the reasoning of a model of the type: a request's grammar with
+    `require_reasoning` applies after it (SGLang's structured outputs for reasoning models)."""
+    return _FORMATS[model_type].end
+
+
+def reasons_by_default(model_type: str) -> bool:
+    """Whether a chat answer of such a model starts with its reasoning (a grammar on it then waits for
+    the end tag: the gateway sets `require_reasoning`)."""
+    return _REASONS_BY_DEFAULT[model_type]
+
 
 # where a stream is: before the reasoning could open, inside it, right after it (the answer's leading
 # whitespace is dropped), in the answer

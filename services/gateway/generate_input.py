@@ -18,7 +18,7 @@ from shared.sglang_fields import GENERATE_REQ_INPUT, SGLANG_VERSION, is_default
 # fields the engine honours: these, and the logprob fields (one beyond SGLang among them)
 SUPPORTED = (
     "text", "input_ids", "sampling_params", "rid", "stream", "log_metrics", "return_prompt_token_ids",
-    *LOGPROB_FIELDS,
+    "require_reasoning", *LOGPROB_FIELDS,
 )  # fmt: skip
 # the rest of SGLang's fields, which the engine cannot honour yet: accepted at their defaults, else 400
 NOT_YET = {k: v for k, v in GENERATE_REQ_INPUT.items() if k not in SUPPORTED}
@@ -35,6 +35,9 @@ class Prompt:
     sampling: SamplingParams
     logprob: LogprobOptions | None = None
     return_prompt_ids: bool = False  # return_prompt_token_ids: the response carries prompt_token_ids
+    # require_reasoning: the output starts with the model's reasoning, and a grammar applies after it
+    # (the end tag is the server's --reasoning-parser's)
+    require_reasoning: bool = False
 
 
 @dataclass
@@ -81,8 +84,11 @@ def parse_generate_input(obj: Any) -> GenerateInput:
     prompt_ids = obj.get("return_prompt_token_ids")
     if prompt_ids is not None and not isinstance(prompt_ids, bool):
         raise ValueError("return_prompt_token_ids must be true or false")
+    reasoning = obj.get("require_reasoning")
+    if reasoning is not None and not isinstance(reasoning, bool):
+        raise ValueError("require_reasoning must be true or false")
     prompts = [
-        Prompt(r, t, i, p, lp, bool(prompt_ids))
+        Prompt(r, t, i, p, lp, bool(prompt_ids), bool(reasoning))
         for r, (t, i), p, lp in zip(_rids(obj.get("rid"), n, is_batch), items, params, logprobs, strict=True)
     ]
     # n > 1: one response per sample, grouped prompt by prompt, always a list (as SGLang)

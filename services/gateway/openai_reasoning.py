@@ -20,21 +20,16 @@ from shared.reasoning_parser import ReasoningParser
 class ReasoningPlan:
     model_type: str  # the server's --reasoning-parser
     stream_reasoning: bool
-    constrained: bool = False  # a grammar shapes the output from its first token
 
     def parser(self) -> ReasoningParser:
-        # a grammar (tool_choice "required", response_format, regex, ...) leaves no room to reason
-        # first, unless it writes the tags itself: a model type that reasons from the start without
-        # an opening tag (deepseek-r1) would otherwise take the whole constrained answer for reasoning
-        return ReasoningParser(self.model_type, self.stream_reasoning, False if self.constrained else None)
+        return ReasoningParser(self.model_type, self.stream_reasoning)
 
 
-def plan_reasoning(
-    obj: dict[str, Any], model_type: str | None, constrained: bool = False
-) -> ReasoningPlan | None:
+def plan_reasoning(obj: dict[str, Any], model_type: str | None) -> ReasoningPlan | None:
     """A chat request's plan: None when the server has no parser or the request keeps the reasoning
     in `content` (separate_reasoning: false). The fields are checked either way (a completion request's
-    too, where they are not used)."""
+    too, where they are not used). A grammar on the answer of a model that reasons first applies after
+    its reasoning (`require_reasoning`, openai_requests.py), so the answer splits as any other."""
     flags = {}
     for key in ("separate_reasoning", "stream_reasoning"):
         value = True if obj.get(key) is None else obj[key]  # SGLang's default
@@ -43,7 +38,7 @@ def plan_reasoning(
         flags[key] = value
     if model_type is None or not flags["separate_reasoning"]:
         return None
-    return ReasoningPlan(model_type, flags["stream_reasoning"], constrained)
+    return ReasoningPlan(model_type, flags["stream_reasoning"])
 
 
 def split_answer(plan: ReasoningPlan | None, text: str) -> tuple[dict[str, Any], str]:

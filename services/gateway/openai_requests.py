@@ -19,6 +19,7 @@ from typing import Any
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_reasoning import ReasoningPlan, plan_reasoning
 from services.gateway.openai_tools import ToolPlan, plan_tools, tool_calls_text
+from shared.reasoning_parser import reasons_by_default
 
 # OpenAI's own fields per endpoint, beside `model` and the prompt or messages
 _COMMON = (
@@ -192,7 +193,10 @@ def parse_chat(
                 )
             sampling["json_schema"] = tools.schema
     constrained = any(sampling.get(k) is not None for k in ("json_schema", "regex", "ebnf"))
-    reasoning = plan_reasoning(obj, reasoning_parser, constrained)
+    # a model that reasons first: its grammar applies after the reasoning (SGLang's structured outputs
+    # for reasoning models), whether or not the reasoning is returned apart
+    think_first = constrained and reasoning_parser is not None and reasons_by_default(reasoning_parser)
+    reasoning = plan_reasoning(obj, reasoning_parser)
     want = _bool_field(obj, "logprobs", False)
     top = _int_field(obj, "top_logprobs", 0, 20, None)
     if top is not None and not want:
@@ -204,6 +208,8 @@ def parse_chat(
             f"messages could not be rendered with the model's chat template: {e}", "messages"
         ) from None
     gen: dict[str, Any] = {"rid": _rid(obj, "chatcmpl"), "input_ids": ids, "sampling_params": sampling}
+    if think_first:
+        gen["require_reasoning"] = True
     _logprobs(gen, (top or 0) if want else None, prompt_too=False)
     return OpenAIRequest(
         "chat",

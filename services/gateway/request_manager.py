@@ -36,6 +36,7 @@ from services.gateway.request_state import Delta, RequestState
 from shared.finish import Abort, describe
 from shared.grammar_text import check_grammar, grammar_of
 from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
+from shared.reasoning_parser import reasoning_end
 from shared.transport import ACK, BusUnavailable, Message, Subjects, Subscription, Transport
 
 T = TypeVar("T")
@@ -65,8 +66,12 @@ class RequestManager:
         vocab_size: int,
         context_len: int | None = None,
         gateway_id: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """reasoning_parser: the server's --reasoning-parser, whose end tag a request with
+        require_reasoning holds its grammar back for (None: such a request is refused)."""
         self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser
         self.prompt_tokens = PromptTokens(tokenizer, vocab_size, context_len)
         self.transport = transport
         self.subjects = Subjects(subject_prefix)
@@ -170,6 +175,9 @@ class RequestManager:
             p.sampling.verify_length(len(ids), self.context_len)
         if p.logprob is not None:
             check_logprobs(p.logprob, len(ids), self.vocab_size, self.transport.max_payload)
+        if p.require_reasoning and self.reasoning_parser is None:
+            raise ValueError("require_reasoning needs a server started with --reasoning-parser (it names the "
+                             "tag that ends the reasoning); leave it unset")  # fmt: skip
         return ids
 
     async def _publish(self, groups: list[list[Prompt]]) -> list[list[RequestState]]:
@@ -196,9 +204,15 @@ class RequestManager:
                     st.new_logprobs = _logprob_factory(p, self.prompt_tokens.token_texts, source)
                     st.logprobs = st.new_logprobs()
                 members.append(st)
+                end = (
+                    reasoning_end(self.reasoning_parser)
+                    if p.require_reasoning and self.reasoning_parser
+                    else ""
+                )
                 reqs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
                                         out_subject=self.out_subject, created=now,
-                                        logprob=p.logprob.request() if p.logprob else None))  # fmt: skip
+                                        logprob=p.logprob.request() if p.logprob else None,
+                                        reasoning_end=end))  # fmt: skip
             if len(members) > 1:
                 for st in members:
                     st.group = members

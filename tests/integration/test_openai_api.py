@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -296,8 +297,10 @@ def test_tokenize_and_detokenize(client, tokenizer):
 
 
 HI = [{"role": "user", "content": "Say hi."}]
-# both parts, whatever the model prefers: reasoning of letters, then an answer
-THINK = r"<think>[a-z]{1,6}( [a-z]{1,6})?</think>[A-Z][a-z]{1,6}( [a-z]{1,6})?"
+# the default model answers this (greedy) with "The tag </think> is a type of HTML tag ...": its
+# reasoning ends there, and a grammar then shapes what follows (require_reasoning)
+TAG = [{"role": "user", "content": "Write the tag </think> and nothing else."}]
+ANSWER = r"[A-Z][a-z]{1,6}( [a-z]{1,6})?"
 
 
 def streamed(chunks):
@@ -320,23 +323,21 @@ def test_forced_reasoning_without_an_end_tag_is_all_reasoning(srv, oai, thinking
 
 
 def test_reasoning_and_answer_split_alike_whole_and_streamed(srv, thinking):
-    # logprobs in every request: without, the regex's forced text is jump-forwarded (other tokens, so
-    # another greedy answer)
-    asked = {"model": "default", "messages": HI, "max_tokens": 32, "temperature": 0, "logprobs": True}
-    raw = thinking.chat.completions.create(**asked, extra_body={"regex": THINK, "separate_reasoning": False})
+    # logprobs in every request: without, the grammar's forced text is jump-forwarded (other tokens, so
+    # another greedy answer); the regex shapes the answer after the reasoning only
+    asked = {"model": "default", "messages": TAG, "max_tokens": 32, "temperature": 0, "logprobs": True}
+    raw = thinking.chat.completions.create(**asked, extra_body={"regex": ANSWER, "separate_reasoning": False})
     text = raw.choices[0].message.content
-    whole = thinking.chat.completions.create(**asked, extra_body={"regex": THINK})
+    before, answer = text.split("</think>")
+    assert before.strip() and re.fullmatch(ANSWER, answer), text
+    whole = thinking.chat.completions.create(**asked, extra_body={"regex": ANSWER})
     msg = whole.choices[0].message
-    assert (
-        msg.reasoning_content
-        and msg.content
-        and f"<think>{msg.reasoning_content}</think>{msg.content}" == text
-    )
+    assert (msg.reasoning_content, msg.content) == (before.strip(), answer)
     rows = whole.choices[0].logprobs.content  # every token's, the reasoning's too (and the EOS's)
     assert "".join(t.token for t in rows).startswith(text) and len(rows) == whole.usage.completion_tokens
     assert whole.usage.completion_tokens == raw.usage.completion_tokens
     chunks = list(thinking.chat.completions.create(
-        **asked, stream=True, stream_options={"include_usage": True}, extra_body={"regex": THINK}
+        **asked, stream=True, stream_options={"include_usage": True}, extra_body={"regex": ANSWER}
     ))  # fmt: skip
     assert streamed(chunks)[:2] == (msg.reasoning_content, msg.content)
     assert [
@@ -344,29 +345,54 @@ def test_reasoning_and_answer_split_alike_whole_and_streamed(srv, thinking):
     ] == rows
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     held = thinking.chat.completions.create(
-        **asked, stream=True, extra_body={"regex": THINK, "stream_reasoning": False}
+        **asked, stream=True, extra_body={"regex": ANSWER, "stream_reasoning": False}
     )
     assert streamed(held) == (msg.reasoning_content, msg.content, [msg.reasoning_content])  # one piece
+
+
+def test_a_json_schema_shapes_the_answer_after_the_reasoning(srv, oai, thinking):
+    """SGLang's structured outputs for reasoning models: the grammar waits for `</think>`, with and
+    without jump-forward's retokenization right after it, whole and streamed; a model that never ends
+    its reasoning is never constrained."""
+    schema = {
+        "type": "object",
+        "properties": {"tag": {"type": "string", "maxLength": 12}},
+        "required": ["tag"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    asked = {"model": "default", "messages": TAG, "max_tokens": 40, "temperature": 0, "response_format": fmt}
+    msg = thinking.chat.completions.create(**asked).choices[0].message
+    assert msg.reasoning_content and set(json.loads(msg.content)) == {"tag"}, msg
+    reasoning, content, _ = streamed(thinking.chat.completions.create(**asked, stream=True))
+    assert (reasoning, content) == (msg.reasoning_content, msg.content)
+    # no reasoning parser: the grammar shapes the answer from its first token
+    plain = oai.chat.completions.create(**asked).choices[0].message
+    assert set(json.loads(plain.content)) == {"tag"} and getattr(plain, "reasoning_content", None) is None
+    # a reasoning that never ends: all reasoning, unconstrained
+    cut = thinking.chat.completions.create(**{**asked, "messages": HI, "max_tokens": 6}).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content == "" and cut.message.reasoning_content
+    # on /generate: require_reasoning needs a server that knows the tag
+    body = {"text": "Hi", "require_reasoning": True, "sampling_params": {"json_schema": json.dumps(schema)}}
+    r = httpx.post(f"{srv.url}/generate", json=body)
+    assert r.status_code == 400 and "--reasoning-parser" in r.text
 
 
 def test_tool_calls_come_from_the_answer_after_the_reasoning_for_each_choice(srv, thinking):
     call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,8}"\}\}\n</tool_call>'
     out = thinking.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Weather?"}], max_tokens=60, temperature=0.8,
-        seed=3, n=2, tools=[WEATHER], extra_body={"regex": r"<think>[a-z]{1,8}</think>" + call},
+        model="default", messages=TAG, max_tokens=60, temperature=0, n=2, tools=[WEATHER],
+        extra_body={"regex": call},
     )  # fmt: skip
     assert len(out.choices) == 2
     for choice in out.choices:
-        assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content.isalpha()
+        assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content
         assert choice.message.tool_calls[0].function.name == "get_weather" and not choice.message.content
-    # a call the grammar forces from the first token: deepseek-r1's reasoning-from-the-start does not
-    # swallow it (the model has no room to think there)
+    # a call the grammar forces (tool_choice "required"): it too waits for the reasoning
     forced = thinking.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Weather?"}], max_tokens=40, temperature=0,
-        tools=[WEATHER], tool_choice="required",
+        model="default", messages=TAG, max_tokens=60, temperature=0, tools=[WEATHER], tool_choice="required"
     )  # fmt: skip
     (choice,) = forced.choices
     assert (
         choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
     )
-    assert getattr(choice.message, "reasoning_content", None) is None
+    assert choice.message.reasoning_content

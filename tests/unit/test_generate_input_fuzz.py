@@ -109,6 +109,7 @@ REQ_VALUES: dict[str, st.SearchStrategy[Any]] = {
             "return_flat_raw_top_logprobs_b64",
             "return_output_top_logprobs_b64",
             "return_prompt_token_ids",
+            "require_reasoning",
         ],
         st.booleans(),
     ),

@@ -129,29 +129,30 @@ def test_streamed_logprob_rows_go_out_once_with_reasoning_and_tools(tools):
         assert joined(chunks, 0, "content") == CALL
 
 
-def test_a_grammar_constrained_answer_is_not_taken_for_forced_reasoning():
-    """deepseek-r1 reasons from the first token without `<think>`; a grammar (tool_choice "required",
-    response_format, regex) shapes the answer from its first token, so there the reasoning opens only
-    at a leading `<think>` the grammar itself wrote."""
+def test_a_grammar_waits_for_the_reasoning_of_a_model_that_reasons_first():
+    """SGLang's structured outputs for reasoning models: with a parser whose model reasons by default, a
+    chat request's grammar (tool_choice "required", response_format, regex) applies after the end tag
+    (`require_reasoning`), and the answer splits as any other; deepseek-v3 answers at once (it thinks
+    only when asked), and a request without a grammar needs nothing."""
     forced = {"type": "function", "function": {"name": FN["function"]["name"]}}
-    for body in (
+    grammars = (
         {"tools": [FN], "tool_choice": "required"},
         {"tools": [FN], "tool_choice": forced},
         {"response_format": {"type": "json_object"}},
         {"regex": r"\{.*\}"},
-    ):
-        req = chat("deepseek-r1", **body)
-        assert req.reasoning is not None and req.reasoning.constrained, body
+    )
+    for parser in ("deepseek-r1", "qwen3", "qwen3-thinking", "kimi", "glm45", "step3"):
+        for body in grammars:
+            assert chat(parser, **body).generate.get("require_reasoning") is True, (parser, body)
+            assert chat(parser, separate_reasoning=False, **body).generate.get("require_reasoning") is True
+        assert "require_reasoning" not in chat(parser).generate
+    assert all("require_reasoning" not in chat("deepseek-v3", **body).generate for body in grammars)
+    assert all("require_reasoning" not in chat(None, **body).generate for body in grammars)
     args = '{"name": "f", "arguments": {"a": 1}}'
-    (choice,) = chat_response(chat("deepseek-r1", tools=[FN], tool_choice="required"), [result(args)], 0)[
-        "choices"
-    ]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] is None
-    (choice,) = chat_response(chat("deepseek-r1", regex="<think>.*"), [result("<think>x</think>y")], 0)[
-        "choices"
-    ]
-    assert choice["message"]["reasoning_content"] == "x" and choice["message"]["content"] == "y"
-    assert not chat("deepseek-r1").reasoning.constrained  # unconstrained: forced as the model type says
+    (choice,) = chat_response(
+        chat("deepseek-r1", tools=[FN], tool_choice="required"), [result(f"hm</think>{args}")], 0
+    )["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "hm"
     (cut,) = chat_response(chat("deepseek-r1"), [result("thinking on")], 0)["choices"]
     assert cut["message"]["reasoning_content"] == "thinking on"
 

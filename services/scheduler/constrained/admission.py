@@ -19,6 +19,7 @@ from services.scheduler.constrained.grammar import (
     GrammarSpec,
     Retokenizer,
 )
+from services.scheduler.constrained.reasoning_gate import ReasoningGate
 from shared.metrics import GRAMMAR_COMPILE_BUCKETS, BucketCounts
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,11 @@ class GrammarAdmission:
             e = fut.exception()
             if e is not None:
                 raise e
-            req.matcher = fut.result().matcher()
+            matcher = fut.result().matcher()
+            if req.reasoning_end:
+                assert self._backend is not None  # it compiled the grammar
+                matcher = ReasoningGate(matcher, req.reasoning_end, self._backend.decode_bytes)
+            req.matcher = matcher
             return True
         except GrammarError:
             raise

@@ -11,6 +11,8 @@
     forced_tokens(matchers)                the same for many matchers at once
     matcher.done                           the grammar can take nothing more but EOS
     done_flags(matchers)                   the same for many matchers at once
+    matcher.grammar_now()                  the matcher constraining the next token (None: a grammar that
+                                           waits for the end of the reasoning, reasoning_gate.py)
 
 A grammar that does not compile raises GrammarError with the library's message (a 400 for the
 request); a compile past `timeout_s` raises GrammarError too, and the request ends while the compile
@@ -82,39 +84,73 @@ class Matcher(ABC):
         (one that never ends), 500 when the grammar machinery is."""
         return 500
 
+    def grammar_now(self) -> Matcher | None:
+        """The matcher that constrains the next token: this one, or None while a grammar waits
+        (reasoning_gate.py: every token allowed, nothing forced, nothing done)."""
+        return self
+
+    @property
+    def undoable(self) -> int:
+        """How many of the last tokens taken `rollback` may undo (a gate: only the grammar's)."""
+        return 1 << 62
+
 
 def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | None = None) -> None:
     """Row rows[j] of `out` (row j without `rows`) gets matchers[j]'s mask, in one batched call when
-    they share a backend that has one (`fill_batch`), else one by one."""
+    they share a backend that has one (`fill_batch`), else one by one; a waiting grammar's row allows
+    every token."""
     rows = list(range(len(matchers))) if rows is None else rows
-    batch = _batched(matchers, "fill_batch")
-    if batch is not None:
-        batch(matchers, out, rows)
-        return
+    live: list[Matcher] = []
+    at: list[int] = []
     for j, m in zip(rows, matchers, strict=True):
+        g = m.grammar_now()
+        if g is None:
+            out[j].fill_(-1)
+        else:
+            live.append(g)
+            at.append(j)
+    batch = _batched(live, "fill_batch")
+    if batch is not None:
+        batch(live, out, at)
+        return
+    for j, m in zip(at, live, strict=True):
         m.fill_bitmask(out[j])
 
 
 def accept_sequences(matchers: list[Matcher], seqs: list[list[int]]) -> list[bool]:
     """matchers[j] takes all of seqs[j] or none (as `Matcher.accept`): in batched calls when they
-    share a backend that has them (`accept_batch`), else one by one."""
-    batch = _batched(matchers, "accept_batch")
-    if batch is not None:
-        return batch(matchers, seqs)
-    return [m.accept(s) for m, s in zip(matchers, seqs, strict=True)]
+    share a backend that has them (`accept_batch`), else one by one (a gate always: it splits its
+    tokens at the end of the reasoning)."""
+    plain = [j for j, m in enumerate(matchers) if m.grammar_now() is m]
+    batch = _batched([matchers[j] for j in plain], "accept_batch")
+    if batch is None:
+        return [m.accept(s) for m, s in zip(matchers, seqs, strict=True)]
+    out = [False] * len(matchers)
+    for j, ok in zip(plain, batch([matchers[j] for j in plain], [seqs[j] for j in plain]), strict=True):
+        out[j] = ok
+    for j in sorted(set(range(len(matchers))) - set(plain)):
+        out[j] = matchers[j].accept(seqs[j])
+    return out
 
 
 def forced_tokens(matchers: list[Matcher]) -> list[list[int]]:
-    """Each matcher's `forced()`: in one batched call when they share a backend that has one
-    (`forced_batch`), else one by one."""
-    batch = _batched(matchers, "forced_batch")
-    return batch(matchers) if batch is not None else [m.forced() for m in matchers]
+    """Each matcher's `forced()` ([] while its grammar waits): in one batched call when they share a
+    backend that has one (`forced_batch`), else one by one."""
+    now = [m.grammar_now() for m in matchers]
+    live = [g for g in now if g is not None]
+    batch = _batched(live, "forced_batch")
+    got = iter(batch(live) if batch is not None else [g.forced() for g in live])
+    return [next(got) if g is not None else [] for g in now]
 
 
 def done_flags(matchers: list[Matcher]) -> list[bool]:
-    """Each matcher's `done`: in one call when they share a backend that has one (`done_batch`)."""
-    batch = _batched(matchers, "done_batch")
-    return batch(matchers) if batch is not None else [m.done for m in matchers]
+    """Each matcher's `done` (False while its grammar waits): in one call when they share a backend
+    that has one (`done_batch`)."""
+    now = [m.grammar_now() for m in matchers]
+    live = [g for g in now if g is not None]
+    batch = _batched(live, "done_batch")
+    got = iter(batch(live) if batch is not None else [g.done for g in live])
+    return [next(got) if g is not None else False for g in now]
 
 
 def _batched(matchers: list[Matcher], name: str) -> Callable | None:
@@ -147,6 +183,10 @@ class GrammarBackend(Retokenizer):
 
     @abstractmethod
     def compile(self, spec: GrammarSpec) -> CompiledGrammar: ...
+
+    @abstractmethod
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        """The bytes the tokens stand for (a special token's: its text, or none)."""
 
 
 _PROBE = ' Hello, world! 12 {"a": [3.5]}\n\tnaïve 日本'

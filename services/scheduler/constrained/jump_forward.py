@@ -223,8 +223,10 @@ class GrammarDecode:
         return [self._guard(r, lambda r=r, x=x: one(r, x)) for r, x in zip(reqs, items, strict=True)]
 
     def _tail(self, r: Req) -> int:
-        """Output tokens at the end that retokenization may replace: not in the radix tree."""
-        return min(RETOKENIZE_TAIL, len(r.output) - max(r.num_cached - len(r.prompt), 0))
+        """Output tokens at the end that retokenization may replace: not in the radix tree, and taken
+        by the grammar (not the reasoning before it)."""
+        undoable = r.matcher.undoable if r.matcher is not None else 0
+        return min(RETOKENIZE_TAIL, len(r.output) - max(r.num_cached - len(r.prompt), 0), undoable)
 
     def _replace(self, r: Req, keep: int, tokens: list[int]) -> None:
         del r.output[keep:]

@@ -132,6 +132,9 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(m.get_error())}")
         return LLGuidanceGrammar(m, (self.vocab_size + 31) // 32)
 
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        return self.tokenizer.decode_bytes(tokens)
+
     def retokenize(self, tokens: list[int]) -> list[int] | None:
         tok = self.tokenizer
         if any(tok.is_special_token(t) for t in tokens):
