@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-POLICIES = ("lpm", "dfs-weight", "fcfs")
+POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -5,6 +5,10 @@
 - `dfs-weight`: each radix node weighs as many waiting requests as end below it; requests come out in
   DFS order, heavier subtrees first, which is the order that maximises hits (Theorem 3.1).
 - `fcfs`: arrival order.
+- `lof`: longest output first, by the tokens a request may still generate (`max_new_tokens` less its
+  output), ties in arrival order: long requests start early and short ones fill the batch at the end,
+  so fewer steps run nearly empty while the last long requests finish (as SGLang's `lof`).
+- `random`: a random order each step (as SGLang's).
 Requests that waited longer than `max_wait` seconds go first whatever the policy, so a greedy
 policy cannot starve them.
 
@@ -16,6 +20,7 @@ yet in the cache.
 
 from __future__ import annotations
 
+import random
 import time
 
 import torch
@@ -42,7 +47,11 @@ def order_waiting(waiting: list[Req], tree: PrefixCache, policy: str, max_wait: 
     now = time.monotonic()
     starved = [r for r in waiting if now - r.arrival > max_wait]
     rest = [r for r in waiting if now - r.arrival <= max_wait] if starved else waiting
-    if policy == "fcfs" or not tree.shares or (policy == "lpm" and len(waiting) > LPM_MAX_WAITING):
+    if policy == "lof":
+        ordered = sorted(rest, key=lambda r: len(r.output) - r.max_new_tokens)  # stable
+    elif policy == "random":
+        ordered = random.sample(rest, len(rest))
+    elif policy == "fcfs" or not tree.shares or (policy == "lpm" and len(waiting) > LPM_MAX_WAITING):
         ordered = rest
     elif policy == "lpm":
         lengths = {id(r): len(tree.match_prefix(match_key(r)).indices) for r in rest}

@@ -33,7 +33,8 @@ def test_tiny_pool_retracts_and_still_completes_every_request(make_engine, refer
 
 
 @pytest.mark.parametrize("options", [
-    {"schedule_policy": "fcfs"}, {"schedule_policy": "dfs-weight"}, {"disable_radix_cache": True},
+    {"schedule_policy": "fcfs"}, {"schedule_policy": "dfs-weight"}, {"schedule_policy": "lof"},
+    {"schedule_policy": "random"}, {"disable_radix_cache": True},
     {"max_running_requests": 2}, {"chunked_prefill_size": 3},
 ])  # fmt: skip
 def test_policies_and_limits_do_not_change_output(make_engine, reference, options):

@@ -69,11 +69,11 @@ def test_serve_help_lists_its_own_options() -> None:
 
 def test_a_value_outside_the_choices_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        parsers()["scheduler"].parse_args(["--schedule-policy", "random"])
+        parsers()["scheduler"].parse_args(["--schedule-policy", "shortest"])
     assert exc.value.code == 2
-    assert "invalid choice: 'random'" in capsys.readouterr().err
+    assert "invalid choice: 'shortest'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="schedule_policy must be one of"):
-        EngineConfig(schedule_policy="random")
+        EngineConfig(schedule_policy="shortest")
 
 
 def test_flags_parse_to_typed_overrides() -> None:

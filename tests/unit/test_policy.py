@@ -13,8 +13,9 @@ from shared.messages import GenerateReq
 from shared.sampling_params import SamplingParams
 
 
-def req(rid: str, ids: list[int], age: float = 0.0) -> Req:
-    r = Req(GenerateReq(rid=rid, input_ids=ids, sampling=SamplingParams(), out_subject="x"), (2,))
+def req(rid: str, ids: list[int], age: float = 0.0, max_new_tokens: int = 128) -> Req:
+    sp = SamplingParams(max_new_tokens=max_new_tokens)
+    r = Req(GenerateReq(rid=rid, input_ids=ids, sampling=sp, out_subject="x"), (2,))
     r.arrival = time.monotonic() - age
     return r
 
@@ -43,6 +44,21 @@ def test_starved_requests_go_first_whatever_the_policy():
     hit = req("hit", list(range(100)) + [1])
     assert [r.rid for r in order_waiting([hit, old], tree, "lpm", 30.0)] == ["old", "hit"]
     assert [r.rid for r in order_waiting([hit, old], tree, "dfs-weight", 30.0)] == ["old", "hit"]
+
+
+def test_lof_orders_by_tokens_left_to_generate_and_random_keeps_every_request():
+    tree = tree_with(list(range(100)))
+    a, b, c, d = (
+        req(k, [i, 1], max_new_tokens=n)
+        for i, (k, n) in enumerate([("a", 8), ("b", 64), ("c", 8), ("d", 32)])
+    )
+    b.output = [5] * 60  # retracted after 60 tokens: 4 left
+    hit = req("hit", list(range(100)) + [1], max_new_tokens=16)  # a cached prefix counts for nothing
+    order = [r.rid for r in order_waiting([a, b, c, d, hit], tree, "lof", 30.0)]
+    assert order == ["d", "hit", "a", "c", "b"]  # ties (a, c) in arrival order
+    waiting = [a, b, c, d, hit]
+    shuffled = order_waiting(waiting, tree, "random", 30.0)
+    assert sorted(r.rid for r in shuffled) == sorted(r.rid for r in waiting) and waiting == [a, b, c, d, hit]
 
 
 def test_dfs_weight_visits_heavier_subtrees_first_and_keeps_siblings_together():
