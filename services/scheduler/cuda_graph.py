@@ -7,9 +7,10 @@ KV slot 0, which is never handed out) and replays the bucket's graph: one launch
 and no host work per layer. Extends, batches that want prompt logprobs and batches larger than the
 largest bucket run eagerly.
 
-    buckets   1 2 4 8, then every 16 up to 256, every 32 up to 512, every 64 beyond: padding rows
-              cost their share of the linear layers, and on an H200 buckets of 128 and 256 past 1024
-              made graph steps of 1,500-2,400 requests ~4-5% slower than eager ones
+    buckets   1 2 4 8, then every 16: padding rows cost their share of the linear layers (on an H200
+              buckets of 128 and 256 past 1024 made graph steps of 1,500-2,400 requests ~4-5% slower
+              than eager ones; every 16 past 512 instead of every 64 made the seed workload's decode
+              steps 1-1.6% shorter, for ~170 more graphs: docs/benchmarks.md, sixteenth session)
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from services.scheduler.memory import ReqToTokenPool
 
 
 def graph_buckets(max_bs: int) -> list[int]:
-    top = max(max_bs, 256)
-    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(288, min(top, 512) + 1, 32), *range(576, top + 1, 64)]
+    sizes = [1, 2, 4, 8, *range(16, max_bs, 16)]
     return sorted({s for s in sizes if s < max_bs} | {max_bs})
 
 
@@ -84,9 +84,10 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         out = self.logits[:bs]
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning, workspace allocation
-                self.attn.prepare(fb)
-                self.model(fb, self.attn, out)
+            # warm up once: Triton compiles a kernel variant at its first call, cuBLAS allocates its
+            # workspace; neither may happen inside a capture
+            self.attn.prepare(fb)
+            self.model(fb, self.attn, out)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA work of other threads (another Engine in this process, idle integrity
