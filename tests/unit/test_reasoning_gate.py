@@ -103,6 +103,9 @@ def test_batched_calls_over_gates_and_plain_matchers_equal_one_by_one(setup):
     assert forced_tokens(ms) == [m.forced() for m in ms] and forced_tokens(ms)[0] == []
     assert done_flags(ms) == [False, False, False]
     assert accept_sequences(ms, [encode("}"), encode("}"), encode('"ab"')]) == [True, False, True]
+    key = encode('"ab"')
+    assert accept_sequences([open_], [key]) == [True] and open_.undoable == 1 + len(key)  # counted
+    open_.rollback(len(key))
     assert (
         thinking.thinking
         and open_.undoable == 1

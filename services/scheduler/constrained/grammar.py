@@ -94,6 +94,10 @@ class Matcher(ABC):
         """How many of the last tokens taken `rollback` may undo (a gate: only the grammar's)."""
         return 1 << 62
 
+    def taken(self, n: int) -> None:
+        """`grammar_now()`, another matcher, took n tokens on this one's behalf (a gate counts them)."""
+        return None
+
 
 def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | None = None) -> None:
     """Row rows[j] of `out` (row j without `rows`) gets matchers[j]'s mask, in one batched call when
@@ -119,17 +123,26 @@ def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | 
 
 def accept_sequences(matchers: list[Matcher], seqs: list[list[int]]) -> list[bool]:
     """matchers[j] takes all of seqs[j] or none (as `Matcher.accept`): in batched calls when they
-    share a backend that has them (`accept_batch`), else one by one (a gate always: it splits its
-    tokens at the end of the reasoning)."""
-    plain = [j for j, m in enumerate(matchers) if m.grammar_now() is m]
-    batch = _batched([matchers[j] for j in plain], "accept_batch")
-    if batch is None:
-        return [m.accept(s) for m, s in zip(matchers, seqs, strict=True)]
+    share a backend that has them (`accept_batch`), else one by one. A gate whose grammar applies
+    passes its tokens to its grammar's matcher in the batch; one still waiting takes them itself (they
+    may end the reasoning and start the grammar)."""
+    now = [m.grammar_now() for m in matchers]
+    live = [j for j, g in enumerate(now) if g is not None]
+    grammars = [now[j] for j in live]
+    batch = _batched(grammars, "accept_batch")  # type: ignore[arg-type]
+    took = (
+        batch(grammars, [seqs[j] for j in live])
+        if batch is not None
+        else [g.accept(seqs[j]) for g, j in zip(grammars, live, strict=True)]  # type: ignore[union-attr]
+    )
     out = [False] * len(matchers)
-    for j, ok in zip(plain, batch([matchers[j] for j in plain], [seqs[j] for j in plain]), strict=True):
+    for j, ok in zip(live, took, strict=True):
         out[j] = ok
-    for j in sorted(set(range(len(matchers))) - set(plain)):
-        out[j] = matchers[j].accept(seqs[j])
+        if ok and now[j] is not matchers[j]:
+            matchers[j].taken(len(seqs[j]))
+    for j, g in enumerate(now):
+        if g is None:
+            out[j] = matchers[j].accept(seqs[j])
     return out
 
 

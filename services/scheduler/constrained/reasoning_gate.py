@@ -74,6 +74,10 @@ class ReasoningGate(Matcher):
         self._tail = tail
         return True
 
+    def taken(self, n: int) -> None:
+        assert self._after is not None, "the grammar takes tokens only after the reasoning"
+        self._after += n
+
     def rollback(self, n: int) -> None:
         if n > self.undoable:
             raise ValueError(
