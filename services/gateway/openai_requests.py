@@ -9,6 +9,7 @@ the result and cannot be honoured (suffix, best_of > n, audio, ...) are refused 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -19,7 +20,7 @@ from typing import Any
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_reasoning import ReasoningPlan, plan_reasoning
 from services.gateway.openai_tools import ToolPlan, plan_tools, tool_calls_text
-from shared.reasoning_parser import reasons_by_default
+from shared.reasoning_parser import reasoning_end, reasons_by_default
 
 # OpenAI's own fields per endpoint, beside `model` and the prompt or messages
 _COMMON = (
@@ -197,6 +198,8 @@ def parse_chat(
     # for reasoning models), whether or not the reasoning is returned apart
     think_first = constrained and reasoning_parser is not None and reasons_by_default(reasoning_parser)
     reasoning = plan_reasoning(obj, reasoning_parser)
+    if think_first and reasoning is None and tools is not None and tools.schema is not None:
+        tools = dataclasses.replace(tools, after=reasoning_end(reasoning_parser))  # type: ignore[arg-type]
     want = _bool_field(obj, "logprobs", False)
     top = _int_field(obj, "top_logprobs", 0, 20, None)
     if top is not None and not want:

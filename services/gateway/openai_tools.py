@@ -37,6 +37,9 @@ class ToolPlan:
     functions: list[dict[str, Any]]  # OpenAI's function specs: name, description, parameters
     choice: str  # "auto", "required" or a function's name
     schema: str | None  # the JSON schema the answer follows (required / named), else None
+    # the tag after which that schema applies (a model that reasons first: require_reasoning), when the
+    # reasoning stays in the text (separate_reasoning: false); None: from the start
+    after: str | None = None
 
     def add_to(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         text = _INSTRUCTIONS + "\n".join(json.dumps(f, ensure_ascii=False) for f in self.functions)
@@ -50,8 +53,12 @@ class ToolPlan:
         """The answer as (content, tool calls); content None when the answer is only calls."""
         names = {f["name"] for f in self.functions}
         if self.schema is not None:  # the grammar made it one call (cut short: left as content)
-            call = _call(text, names)
-            return (None, [call]) if call is not None else (text, [])
+            head, answer = "", text
+            if self.after is not None and self.after in text:  # the reasoning before it stays content
+                head, _, answer = text.partition(self.after)
+                head += self.after
+            call = _call(answer, names)
+            return (head or None, [call]) if call is not None else (text, [])
         calls = [c for c in (_call(m.group(1), names) for m in _BLOCK.finditer(text)) if c is not None]
         if not calls:
             return text, []

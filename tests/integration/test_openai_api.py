@@ -396,3 +396,10 @@ def test_tool_calls_come_from_the_answer_after_the_reasoning_for_each_choice(srv
         choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
     )
     assert choice.message.reasoning_content
+    kept = thinking.chat.completions.create(
+        model="default", messages=TAG, max_tokens=60, temperature=0, tools=[WEATHER], tool_choice="required",
+        extra_body={"separate_reasoning": False},
+    )  # fmt: skip
+    (choice,) = kept.choices  # the reasoning stays in content, the call is read after the tag
+    assert choice.finish_reason == "tool_calls" and choice.message.content.endswith("</think>")
+    assert choice.message.tool_calls[0].function.name == "get_weather"

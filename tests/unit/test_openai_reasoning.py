@@ -153,6 +153,11 @@ def test_a_grammar_waits_for_the_reasoning_of_a_model_that_reasons_first():
         chat("deepseek-r1", tools=[FN], tool_choice="required"), [result(f"hm</think>{args}")], 0
     )["choices"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "hm"
+    # the reasoning kept in the text (separate_reasoning: false): the call is read after the tag
+    kept = chat("deepseek-r1", tools=[FN], tool_choice="required", separate_reasoning=False)
+    (choice,) = chat_response(kept, [result(f"hm</think>{args}")], 0)["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "hm</think>"
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "f"
     (cut,) = chat_response(chat("deepseek-r1"), [result("thinking on")], 0)["choices"]
     assert cut["message"]["reasoning_content"] == "thinking on"
 

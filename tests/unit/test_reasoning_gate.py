@@ -20,7 +20,7 @@ from services.scheduler.constrained.grammar import (  # noqa: E402
     fill_bitmasks,
     forced_tokens,
 )
-from services.scheduler.constrained.reasoning_gate import ReasoningGate  # noqa: E402
+from services.scheduler.constrained.reasoning_gate import ReasoningGate, TagGuard  # noqa: E402
 from shared.model_config import ModelConfig  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
@@ -37,9 +37,20 @@ def setup(request, model_folder):
     return backend, compiled, lambda text: tok.encode(text, add_special_tokens=False), mc.vocab_size
 
 
-def gate(setup):
+_GUARDS: dict = {}
+
+
+def gate(setup, tag: str = "</think>"):
     backend, compiled, _, _ = setup
-    return ReasoningGate(compiled.matcher(), "</think>", backend.decode_bytes)
+    m = compiled.matcher()
+    key = (id(backend), tag)
+    if key not in _GUARDS:
+        _GUARDS[key] = TagGuard(tag, backend.vocab_bytes(), m.mask_words)
+    return ReasoningGate(m, _GUARDS[key], backend.decode_bytes)
+
+
+def allows(row: torch.Tensor, t: int) -> bool:
+    return bool((int(row[t // 32]) >> (t % 32)) & 1)
 
 
 def mask(m, vocab):
@@ -59,7 +70,10 @@ def test_while_thinking_every_token_is_allowed_and_nothing_forced(setup):
         g.rollback(1)
 
 
-@pytest.mark.parametrize("text", ["hm</think>", "</think>", " </think>", "ok</think>"])
+@pytest.mark.parametrize(
+    "text",
+    ["hm</think>", "</think>", " </think>", "ok</think>", "Yes </think>", "Yes, I think so. So </think>"],
+)
 def test_after_the_tag_the_grammar_applies_from_its_start(setup, text):
     """Token by token, however the tag is spelled in tokens."""
     backend, compiled, encode, vocab = setup
@@ -112,3 +126,30 @@ def test_batched_calls_over_gates_and_plain_matchers_equal_one_by_one(setup):
         and (plain.accept(encode(": 1}")) or plain.accept(encode(":1}")))
     )
     assert plain.done
+
+
+@pytest.mark.parametrize("tag", ["</think>", "\u25c1/think\u25b7"])  # kimi's: 12 bytes in few tokens
+def test_the_tag_is_found_after_any_text(setup, tag):
+    """The bytes kept between tokens are the last len(tag) - 1 of the output, however few came before."""
+    backend, compiled, encode, vocab = setup
+    for before in ("The tag ", "Yes ", "a", "", "Hm, so the answer is: "):
+        g = gate(setup, tag)
+        for t in encode(before + tag):
+            assert g.accept([t])
+        assert not g.thinking, before
+
+
+def test_while_thinking_no_token_ends_the_tag_with_bytes_the_grammar_would_not_see(setup):
+    """`>"` after `</think` would put a quote before the grammar's answer: masked; `>` is not."""
+    backend, compiled, encode, vocab = setup
+    table = backend.vocab_bytes()
+    ids = {b: t for t, b in enumerate(table) if b in (b">", b'>"', b"</", b"think")}
+    if b'>"' not in ids:
+        pytest.skip('no `>"` token in this vocabulary')
+    g = gate(setup)
+    row = mask(g, vocab)
+    assert allows(row, ids[b'>"']) and allows(row, ids[b">"])  # no tag begun: both fine
+    assert g.accept([ids[b"</"], ids[b"think"]])
+    row = mask(g, vocab)
+    assert not allows(row, ids[b'>"']) and allows(row, ids[b">"])
+    assert g.accept([ids[b">"]]) and not g.thinking

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from services.scheduler.constrained.grammar import (
@@ -19,7 +20,7 @@ from services.scheduler.constrained.grammar import (
     GrammarSpec,
     Retokenizer,
 )
-from services.scheduler.constrained.reasoning_gate import ReasoningGate
+from services.scheduler.constrained.reasoning_gate import ReasoningGate, TagGuard
 from shared.metrics import GRAMMAR_COMPILE_BUCKETS, BucketCounts
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class GrammarAdmission:
         self._backend_lock = threading.Lock()
         self._ready_at: float | None = None  # when the backend was built (the compile clock starts)
         self._broken: str | None = None  # why the backend could not be built
+        self._guards: dict[str, Future[TagGuard]] = {}  # end tag -> its masks (reasoning_gate.py)
         # seconds each compile took (cache misses; the backend's start is not counted): /metrics
         self.compile_times = BucketCounts(GRAMMAR_COMPILE_BUCKETS)
 
@@ -68,9 +70,17 @@ class GrammarAdmission:
             if e is not None:
                 raise e
             matcher = fut.result().matcher()
-            if req.reasoning_end:
-                assert self._backend is not None  # it compiled the grammar
-                matcher = ReasoningGate(matcher, req.reasoning_end, self._backend.decode_bytes)
+            if req.reasoning_end:  # and the end tag's masks, built once per tag on the same threads
+                backend = self._backend
+                assert backend is not None  # it compiled the grammar
+                tag, words = req.reasoning_end, matcher.mask_words
+                guard = self._guards.get(tag)
+                if guard is None:
+                    build = lambda: TagGuard(tag, backend.vocab_bytes(), words)  # noqa: E731
+                    guard = self._guards[tag] = self._grammars().run(build)
+                if not guard.done():
+                    return False
+                matcher = ReasoningGate(matcher, guard.result(), backend.decode_bytes)
             req.matcher = matcher
             return True
         except GrammarError:

@@ -102,14 +102,14 @@ class Matcher(ABC):
 def fill_bitmasks(matchers: list[Matcher], out: torch.Tensor, rows: list[int] | None = None) -> None:
     """Row rows[j] of `out` (row j without `rows`) gets matchers[j]'s mask, in one batched call when
     they share a backend that has one (`fill_batch`), else one by one; a waiting grammar's row allows
-    every token."""
+    every token that cannot end the wait with bytes the grammar would not see (reasoning_gate.py)."""
     rows = list(range(len(matchers))) if rows is None else rows
     live: list[Matcher] = []
     at: list[int] = []
     for j, m in zip(rows, matchers, strict=True):
         g = m.grammar_now()
         if g is None:
-            out[j].fill_(-1)
+            m.fill_bitmask(out[j])
         else:
             live.append(g)
             at.append(j)
@@ -199,7 +199,11 @@ class GrammarBackend(Retokenizer):
 
     @abstractmethod
     def decode_bytes(self, tokens: list[int]) -> bytes:
-        """The bytes the tokens stand for (a special token's: its text, or none)."""
+        """The bytes the tokens stand for (a special token's: its text)."""
+
+    def vocab_bytes(self) -> list[bytes]:
+        """Each token id's bytes, for the ids of the grammar's vocabulary."""
+        return [self.decode_bytes([t]) for t in range(self.vocab_size)]
 
 
 _PROBE = ' Hello, world! 12 {"a": [3.5]}\n\tnaïve 日本'
@@ -257,6 +261,10 @@ class GrammarCache:
             else:
                 self._futures.move_to_end(spec)
             return fut
+
+    def run(self, fn: Callable[[], object]) -> Future:
+        """fn on the compile threads (other work a grammar needs before its request can start)."""
+        return self._pool.submit(fn)
 
     def get(self, spec: GrammarSpec, timeout_s: float) -> CompiledGrammar:
         fut = self.submit(spec)

@@ -4,14 +4,17 @@ A reasoning model writes `<think> ... </think>` before its answer; a grammar (a 
 tool call) must shape the answer, not the reasoning. With `require_reasoning` (the gateway sets it on
 a chat request with a grammar when the server's `--reasoning-parser` names a model that reasons by
 default) the request's matcher is a `ReasoningGate` around the grammar's own: until the output's bytes
-hold the end tag, every token is allowed, nothing is forced and the grammar takes nothing; from the
-token after the one that completes the tag, the grammar applies as it would from the output's start.
+hold the end tag, nothing is forced and the grammar takes nothing; from the token after the one that
+completes the tag, the grammar applies as it would from the output's start.
 
 The tag is matched on the tokens' bytes, not on token ids, so it is found however the model spells it
-in tokens. Bytes a token carries past the tag (`>{` when `>` and `{` merge) are in the answer but not
-seen by the grammar, which starts after that token. The grammar's rollback (jump-forward's
-retokenization) never reaches back into the reasoning: `undoable` bounds it to what the grammar took.
-A model that never writes the tag is never constrained, as in SGLang.
+in tokens (a special token's bytes are its text). While the grammar waits, the mask allows every token
+of the vocabulary but those that would complete the tag and carry bytes past it (`>"` after `</think`):
+those bytes would reach the answer without the grammar seeing them. `TagGuard` holds one mask row per
+state (how many of the tag's first bytes the output ends with), built once per tag and vocabulary on
+the grammar pool. The grammar's rollback (jump-forward's retokenization) never reaches back into the
+reasoning: `undoable` bounds it to what the grammar took. A model that never writes the tag is never
+constrained, as in SGLang.
 """
 
 from __future__ import annotations
@@ -23,14 +26,43 @@ import torch
 from services.scheduler.constrained.grammar import Matcher
 
 
-class ReasoningGate(Matcher):
-    def __init__(self, inner: Matcher, end_tag: str, token_bytes: Callable[[list[int]], bytes]) -> None:
-        if not end_tag:
+class TagGuard:
+    """The end tag's masks over one vocabulary: rows[k] allows every token but those that, after an
+    output ending with the tag's first k bytes, complete the tag with bytes past it."""
+
+    def __init__(self, end_tag: str, vocab_bytes: list[bytes], words: int) -> None:
+        end = self.end = end_tag.encode()
+        if not end:
             raise ValueError("a reasoning gate needs the end tag")
-        self.inner = inner
-        self._end = end_tag.encode()
+        full = (1 << 32) - 1
+        self.rows = []
+        for k in range(len(end)):
+            head = end[:k]
+            bits = [full] * words
+            for t in range(len(vocab_bytes), words * 32):  # past the vocabulary: never a token
+                bits[t // 32] &= ~(1 << (t % 32))
+            for t, b in enumerate(vocab_bytes):
+                at = (head + b).find(end) if b else -1
+                if at != -1 and at + len(end) < k + len(b):
+                    bits[t // 32] &= ~(1 << (t % 32))
+            signed = [w - (1 << 32) if w >> 31 else w for w in bits]
+            self.rows.append(torch.tensor(signed, dtype=torch.int32))
+
+    def state(self, tail: bytes) -> int:
+        """How many of the tag's first bytes `tail` ends with (the most; less than the whole tag)."""
+        for k in range(min(len(tail), len(self.end) - 1), 0, -1):
+            if tail.endswith(self.end[:k]):
+                return k
+        return 0
+
+
+class ReasoningGate(Matcher):
+    def __init__(self, inner: Matcher, guard: TagGuard, token_bytes: Callable[[list[int]], bytes]) -> None:
+        self.inner, self.guard = inner, guard
+        self._end = guard.end
         self._bytes = token_bytes
         self._tail = b""  # thinking: the last len(end) - 1 bytes of the output
+        self._state = 0  # thinking: guard.state(_tail)
         self._after: int | None = None  # tokens the grammar took since the tag (None: still thinking)
         self._error = ""
 
@@ -51,7 +83,7 @@ class ReasoningGate(Matcher):
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         if self._after is None:
-            row.fill_(-1)
+            row.copy_(self.guard.rows[self._state])
         else:
             self.inner.fill_bitmask(row)
 
@@ -70,8 +102,8 @@ class ReasoningGate(Matcher):
                     return False
                 self._after, self._tail = len(rest), b""
                 return True
-            tail = window[len(window) - len(end) + 1 :] if len(end) > 1 else b""
-        self._tail = tail
+            tail = window[-(len(end) - 1) :] if len(end) > 1 else b""
+        self._tail, self._state = tail, self.guard.state(tail)
         return True
 
     def taken(self, n: int) -> None:

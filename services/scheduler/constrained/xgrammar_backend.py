@@ -204,6 +204,9 @@ class XGrammarBackend(GrammarBackend):
         special = _special_ids(text)
         info = _with_special_tokens(xgrammar, info, hf.get_vocab(), special, vocab_size)
         self._bytes = [b"" if t is None else t for t in info.decoded_vocab]
+        for t, content in _added_tokens(text).items():  # blanked for xgrammar: their text here
+            if t < len(self._bytes) and not self._bytes[t]:
+                self._bytes[t] = content.encode()
         self._special = set(info.special_token_ids) | special | set(info.stop_token_ids)
         self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # GrammarCache caches
         self.batcher = xgrammar.BatchGrammarMatcher()
@@ -228,9 +231,13 @@ class XGrammarBackend(GrammarBackend):
                 cache[text] = e.ids
         return [list(cache[t]) for t in texts]
 
+    def vocab_bytes(self) -> list[bytes]:
+        return list(self._bytes[: self.vocab_size])
+
     def decode_bytes(self, tokens: list[int]) -> bytes:
-        """The tokens' bytes (one past the vocabulary: none). A retokenized tail is decoded each step a
-        row jumps, so the common case is one `map` over the table, not a Python loop."""
+        """The tokens' bytes (a special token's: its text; one past the vocabulary: none). A retokenized
+        tail is decoded each step a row jumps, so the common case is one `map` over the table, not a
+        Python loop."""
         table = self._bytes
         if not tokens or max(tokens) < len(table):
             return b"".join(map(table.__getitem__, tokens))
@@ -302,6 +309,16 @@ def _source(spec: GrammarSpec) -> str:
 def library_message(e: Exception) -> str:
     """xgrammar's message on one line, without the C++ log prefix ("[09:24:51] /project/cpp/x.cc:94: ")."""
     return " ".join(_LOG_PREFIX.sub("", str(e)).split())[:500]
+
+
+def _added_tokens(tokenizer_json: str) -> dict[int, str]:
+    """tokenizer.json's added tokens: id -> text."""
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    return {
+        t["id"]: t["content"]
+        for t in added
+        if isinstance(t.get("id"), int) and isinstance(t.get("content"), str)
+    }
 
 
 def _special_ids(tokenizer_json: str) -> set[int]:
