@@ -35,14 +35,17 @@ class TagGuard:
         if not end:
             raise ValueError("a reasoning gate needs the end tag")
         full = (1 << 32) - 1
+        last = end[-1:]
+        # only a token holding the tag's last byte can complete it (a scan in C; the rest in Python)
+        candidates = [(t, b) for t, b in enumerate(vocab_bytes) if last in b]
         self.rows = []
         for k in range(len(end)):
             head = end[:k]
             bits = [full] * words
             for t in range(len(vocab_bytes), words * 32):  # past the vocabulary: never a token
                 bits[t // 32] &= ~(1 << (t % 32))
-            for t, b in enumerate(vocab_bytes):
-                at = (head + b).find(end) if b else -1
+            for t, b in candidates:
+                at = (head + b).find(end)
                 if at != -1 and at + len(end) < k + len(b):
                     bits[t // 32] &= ~(1 << (t % 32))
             signed = [w - (1 << 32) if w >> 31 else w for w in bits]
