@@ -69,19 +69,21 @@ class GrammarAdmission:
             e = fut.exception()
             if e is not None:
                 raise e
-            matcher = fut.result().matcher()
-            if req.reasoning_end:  # and the end tag's masks, built once per tag on the same threads
-                backend = self._backend
-                assert backend is not None  # it compiled the grammar
-                tag, words = req.reasoning_end, matcher.mask_words
-                guard = self._guards.get(tag)
-                if guard is None:
-                    build = lambda: TagGuard(tag, backend.vocab_bytes(), words)  # noqa: E731
-                    guard = self._guards[tag] = self._grammars().run(build)
-                if not guard.done():
-                    return False
-                matcher = ReasoningGate(matcher, guard.result(), backend.decode_bytes)
-            req.matcher = matcher
+            compiled = fut.result()
+            if not req.reasoning_end:
+                req.matcher = compiled.matcher()
+                return True
+            # and the end tag's masks, built once per tag on the same threads
+            backend, tag = self._backend, req.reasoning_end
+            assert backend is not None  # it compiled the grammar
+            guard = self._guards.get(tag)
+            if guard is None:
+                words = compiled.matcher().mask_words
+                build = lambda: TagGuard(tag, backend.vocab_bytes(), words)  # noqa: E731
+                guard = self._guards[tag] = self._grammars().run(build)
+            if not guard.done():
+                return False
+            req.matcher = ReasoningGate(compiled.matcher(), guard.result(), backend.decode_bytes)
             return True
         except GrammarError:
             raise
