@@ -53,6 +53,10 @@ REASONING_PARSERS: tuple[str, ...] = tuple(_FORMATS)
 _REASONS_BY_DEFAULT = {t: t != "deepseek-v3" for t in _FORMATS}
 
 
+# the tags a request's reasoning may end with (GenerateReq.reasoning_end: the scheduler takes no other)
+REASONING_ENDS = frozenset(f.end for f in _FORMATS.values())
+
+
 def reasoning_end(model_type: str) -> str:
     """The tag that ends the reasoning of a model of the type: a request's grammar with
     `require_reasoning` applies after it (SGLang's structured outputs for reasoning models)."""

@@ -6,8 +6,9 @@
   DFS order, heavier subtrees first, which is the order that maximises hits (Theorem 3.1).
 - `fcfs`: arrival order.
 - `lof`: longest output first, by the tokens a request may still generate (`max_new_tokens` less its
-  output), ties in arrival order: long requests start early and short ones fill the batch at the end,
-  so fewer steps run nearly empty while the last long requests finish (as SGLang's `lof`).
+  output: SGLang's `lof` sorts by max_new_tokens alone, which a retracted request would misstate),
+  ties in waiting-list order: long requests start early and short ones fill the batch at the end, so
+  fewer steps run nearly empty while the last long requests finish.
 - `random`: a random order each step (as SGLang's).
 Requests that waited longer than `max_wait` seconds go first whatever the policy, so a greedy
 policy cannot starve them.
@@ -48,7 +49,7 @@ def order_waiting(waiting: list[Req], tree: PrefixCache, policy: str, max_wait: 
     starved = [r for r in waiting if now - r.arrival > max_wait]
     rest = [r for r in waiting if now - r.arrival <= max_wait] if starved else waiting
     if policy == "lof":
-        ordered = sorted(rest, key=lambda r: len(r.output) - r.max_new_tokens)  # stable
+        ordered = sorted(rest, key=lambda r: -r.remaining_output)  # stable
     elif policy == "random":
         ordered = random.sample(rest, len(rest))
     elif policy == "fcfs" or not tree.shares or (policy == "lpm" and len(waiting) > LPM_MAX_WAITING):

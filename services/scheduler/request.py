@@ -23,6 +23,7 @@ from services.scheduler.radix_cache import TreeNode
 from shared.finish import FinishReason, Length, Stop
 from shared.grammar_text import grammar_of
 from shared.messages import GenerateReq
+from shared.reasoning_parser import REASONING_ENDS
 from shared.sampling_params import SamplingParams
 
 _uids = itertools.count()
@@ -150,6 +151,9 @@ def check_request(msg: GenerateReq, vocab_size: int, context_len: int, pool_size
         return f"input_ids must be token ids in [0, {vocab_size})"
     if n + 1 > pool_size:
         return f"the prompt needs {n + 1} KV slots; the pool has {pool_size}"
+    if msg.reasoning_end and msg.reasoning_end not in REASONING_ENDS:
+        tags = ", ".join(sorted(REASONING_ENDS))
+        return f"reasoning_end must be one of the reasoning parsers' end tags: {tags}"
     lp = msg.logprob
     if lp is not None and (
         not 0 <= lp.top_k <= vocab_size or any(not 0 <= t < vocab_size for t in lp.token_ids)

@@ -153,3 +153,32 @@ def test_while_thinking_no_token_ends_the_tag_with_bytes_the_grammar_would_not_s
     row = mask(g, vocab)
     assert not allows(row, ids[b'>"']) and allows(row, ids[b">"])
     assert g.accept([ids[b">"]]) and not g.thinking
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_ids_of_a_padded_vocabulary_are_never_allowed_while_waiting(model_folder, name):
+    mc = ModelConfig.from_folder(model_folder)
+    padded = mc.vocab_size + 64
+    backend = backend_class(name)(os.path.join(model_folder, "tokenizer.json"), padded, mc.eos_token_ids)
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    m = compiled.matcher()
+    guard = TagGuard("</think>", backend.vocab_bytes(), m.mask_words)
+    row = guard.rows[0]
+    assert allows(row, mc.vocab_size - 1)
+    assert not any(allows(row, t) for t in range(mc.vocab_size, min(padded, 32 * m.mask_words)))
+
+
+def test_the_scheduler_takes_only_the_parsers_end_tags():
+    from services.scheduler.request import check_request
+    from shared.messages import GenerateReq
+    from shared.reasoning_parser import REASONING_ENDS
+    from shared.sampling_params import SamplingParams
+
+    def msg(end: str) -> GenerateReq:
+        return GenerateReq(
+            rid="r", input_ids=[1, 2], sampling=SamplingParams(), out_subject="x", reasoning_end=end
+        )
+
+    assert all(check_request(msg(end), 100, 64, 64) is None for end in ["", *REASONING_ENDS])
+    why = check_request(msg("x" * 100_000), 100, 64, 64)
+    assert why is not None and why.startswith("reasoning_end must be one of") and "</think>" in why

@@ -78,11 +78,13 @@ class GrammarAdmission:
             assert backend is not None  # it compiled the grammar
             guard = self._guards.get(tag)
             if guard is None:
-                words = compiled.matcher().mask_words
-                build = lambda: TagGuard(tag, backend.vocab_bytes(), words)  # noqa: E731
-                guard = self._guards[tag] = self._grammars().run(build)
-            if not guard.done():
+                guard = self._guards[tag] = self._grammars().run(self._guard_builder(tag, compiled))
+            if not guard.done():  # behind compiles on the same threads: the compile timeout holds
+                if self._ready_at is not None and now - max(req.arrival, self._ready_at) > self.timeout_s:
+                    raise GrammarError(f"preparing the grammar took longer than {self.timeout_s:g} s")
                 return False
+            if guard.exception() is not None:
+                del self._guards[tag]  # the next request tries again
             req.matcher = ReasoningGate(compiled.matcher(), guard.result(), backend.decode_bytes)
             return True
         except GrammarError:
@@ -90,6 +92,11 @@ class GrammarAdmission:
         except Exception as e:
             log.exception("constrained decoding failed for request %s", req.rid)
             raise GrammarError(f"internal error in constrained decoding: {type(e).__name__}: {e}", 500) from e
+
+    def _guard_builder(self, tag: str, compiled: CompiledGrammar):
+        backend, words = self._backend, compiled.matcher().mask_words
+        assert backend is not None
+        return lambda: TagGuard(tag, backend.vocab_bytes(), words)
 
     def shutdown(self) -> None:
         if self._cache is not None:

@@ -13,6 +13,8 @@
     done_flags(matchers)                   the same for many matchers at once
     matcher.grammar_now()                  the matcher constraining the next token (None: a grammar that
                                            waits for the end of the reasoning, reasoning_gate.py)
+    matcher.undoable                       how many of its last tokens rollback may undo
+    backend.decode_bytes(ts), vocab_bytes()  the tokens' bytes; every id's (None: never a token)
 
 A grammar that does not compile raises GrammarError with the library's message (a 400 for the
 request); a compile past `timeout_s` raises GrammarError too, and the request ends while the compile
@@ -22,6 +24,7 @@ finishes in the background (its result is cached for the next request with the s
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -32,6 +35,8 @@ from typing import NamedTuple
 import torch
 
 from shared.grammar_text import KINDS
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -128,12 +133,12 @@ def accept_sequences(matchers: list[Matcher], seqs: list[list[int]]) -> list[boo
     may end the reasoning and start the grammar)."""
     now = [m.grammar_now() for m in matchers]
     live = [j for j, g in enumerate(now) if g is not None]
-    grammars = [now[j] for j in live]
-    batch = _batched(grammars, "accept_batch")  # type: ignore[arg-type]
+    grammars: list[Matcher] = [g for g in now if g is not None]
+    batch = _batched(grammars, "accept_batch")
     took = (
         batch(grammars, [seqs[j] for j in live])
         if batch is not None
-        else [g.accept(seqs[j]) for g, j in zip(grammars, live, strict=True)]  # type: ignore[union-attr]
+        else [g.accept(seqs[j]) for g, j in zip(grammars, live, strict=True)]
     )
     out = [False] * len(matchers)
     for j, ok in zip(live, took, strict=True):
@@ -141,8 +146,11 @@ def accept_sequences(matchers: list[Matcher], seqs: list[list[int]]) -> list[boo
         if ok and now[j] is not matchers[j]:
             matchers[j].taken(len(seqs[j]))
     for j, g in enumerate(now):
-        if g is None:
-            out[j] = matchers[j].accept(seqs[j])
+        if g is None:  # after the batch took its tokens: a gate that fails here refuses alone (a
+            try:  # caller's retry one by one would hand the batch's rows their tokens again)
+                out[j] = matchers[j].accept(seqs[j])
+            except Exception:
+                log.exception("a reasoning gate failed to take its tokens")
     return out
 
 
@@ -201,8 +209,8 @@ class GrammarBackend(Retokenizer):
     def decode_bytes(self, tokens: list[int]) -> bytes:
         """The bytes the tokens stand for (a special token's: its text)."""
 
-    def vocab_bytes(self) -> list[bytes]:
-        """Each token id's bytes, for the ids of the grammar's vocabulary."""
+    def vocab_bytes(self) -> list[bytes | None]:
+        """Each token id's bytes, for the ids of the grammar's vocabulary (None: never a token)."""
         return [self.decode_bytes([t]) for t in range(self.vocab_size)]
 
 

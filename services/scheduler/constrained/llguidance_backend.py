@@ -12,6 +12,8 @@ with a 400 that says so, without llguidance's parser dump.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from services.scheduler.constrained.grammar import (
@@ -115,6 +117,13 @@ class LLGuidanceBackend(GrammarBackend):
         tok = self.tokenizer
         check_round_trip(lambda text: tok.decode_bytes(tok.tokenize_bytes(text.encode())), tokenizer_json)
         self.vocab_size = vocab_size
+        # ids past the tokenizer's own (a model vocabulary padded past it) are never text
+        data = json.loads(text)
+        ids = [
+            *((data.get("model") or {}).get("vocab") or {}).values(),
+            *(t.get("id", -1) for t in data.get("added_tokens") or []),
+        ]
+        self._known = min(vocab_size, max((i for i in ids if isinstance(i, int)), default=vocab_size - 1) + 1)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         try:
@@ -135,6 +144,9 @@ class LLGuidanceBackend(GrammarBackend):
     def decode_bytes(self, tokens: list[int]) -> bytes:
         return self.tokenizer.decode_bytes(tokens)
 
+    def vocab_bytes(self) -> list[bytes | None]:
+        return [self.tokenizer.decode_bytes([t]) if t < self._known else None for t in range(self.vocab_size)]
+
     def retokenize(self, tokens: list[int]) -> list[int] | None:
         tok = self.tokenizer
         if any(tok.is_special_token(t) for t in tokens):
@@ -145,4 +157,6 @@ class LLGuidanceBackend(GrammarBackend):
         except UnicodeDecodeError:
             return None
         new = tok.tokenize_bytes(data)
+        if any(tok.is_special_token(t) for t in new):
+            return None
         return new if tok.decode_bytes(new) == data else None

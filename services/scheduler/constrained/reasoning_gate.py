@@ -30,19 +30,21 @@ class TagGuard:
     """The end tag's masks over one vocabulary: rows[k] allows every token but those that, after an
     output ending with the tag's first k bytes, complete the tag with bytes past it."""
 
-    def __init__(self, end_tag: str, vocab_bytes: list[bytes], words: int) -> None:
+    def __init__(self, end_tag: str, vocab_bytes: list[bytes | None], words: int) -> None:
+        """vocab_bytes: each id's bytes, None for an id that is never a token (past the tokenizer)."""
         end = self.end = end_tag.encode()
         if not end:
             raise ValueError("a reasoning gate needs the end tag")
         full = (1 << 32) - 1
         last = end[-1:]
         # only a token holding the tag's last byte can complete it (a scan in C; the rest in Python)
-        candidates = [(t, b) for t, b in enumerate(vocab_bytes) if last in b]
+        candidates = [(t, b) for t, b in enumerate(vocab_bytes) if b is not None and last in b]
+        never = [t for t, b in enumerate(vocab_bytes) if b is None]
         self.rows = []
         for k in range(len(end)):
             head = end[:k]
             bits = [full] * words
-            for t in range(len(vocab_bytes), words * 32):  # past the vocabulary: never a token
+            for t in [*never, *range(len(vocab_bytes), words * 32)]:  # never a token
                 bits[t // 32] &= ~(1 << (t % 32))
             for t, b in candidates:
                 at = (head + b).find(end)

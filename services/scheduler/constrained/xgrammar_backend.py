@@ -231,7 +231,7 @@ class XGrammarBackend(GrammarBackend):
                 cache[text] = e.ids
         return [list(cache[t]) for t in texts]
 
-    def vocab_bytes(self) -> list[bytes]:
+    def vocab_bytes(self) -> list[bytes | None]:
         return list(self._bytes[: self.vocab_size])
 
     def decode_bytes(self, tokens: list[int]) -> bytes:
@@ -292,7 +292,8 @@ class XGrammarBackend(GrammarBackend):
         out: list[list[int] | None] = []
         for data in datas:
             new = next(encoded) if data is not None else None
-            out.append(new if new is not None and self.decode_bytes(new) == data else None)
+            ok = new is not None and self._special.isdisjoint(new) and self.decode_bytes(new) == data
+            out.append(new if ok else None)
         return out
 
 
