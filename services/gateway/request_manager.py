@@ -29,9 +29,8 @@ import msgspec
 from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
-from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.prompt_tokens import PromptTokens
-from services.gateway.request_prep import check_logprobs, nth_sample, warm_prompt
+from services.gateway.request_prep import check_logprobs, logprob_factory, nth_sample, warm_prompt
 from services.gateway.request_state import Delta, RequestState
 from shared.finish import Abort, describe
 from shared.grammar_text import check_grammar, grammar_of
@@ -201,7 +200,7 @@ class RequestManager:
                 )
                 if p.logprob is not None:
                     source = members[0] if members and p.logprob.input_shared else None
-                    st.new_logprobs = _logprob_factory(p, self.prompt_tokens.token_texts, source)
+                    st.new_logprobs = logprob_factory(p, self.prompt_tokens.token_texts, source)
                     st.logprobs = st.new_logprobs()
                 members.append(st)
                 end = (
@@ -442,19 +441,3 @@ class RequestManager:
         if st.new_logprobs is not None:
             st.logprobs = st.new_logprobs()
         return True
-
-
-def _logprob_factory(
-    p: Prompt, token_texts: Callable[[list[int]], list[str]], source: RequestState | None
-) -> Callable[[], LogprobAccumulator]:
-    """source: the request whose prompt logprobs these are (n > 1: the prompt's prefill; its current
-    attempt's, read as they arrive)."""
-
-    def make() -> LogprobAccumulator:
-        assert p.logprob is not None and p.input_ids is not None
-        acc = LogprobAccumulator(p.logprob, p.input_ids, token_texts)
-        if source is not None and source.logprobs is not None:
-            acc.share_input(source.logprobs)
-        return acc
-
-    return make

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from services.gateway.generate_input import Prompt
+from services.gateway.logprob_meta import LogprobAccumulator
 from services.gateway.logprob_options import LogprobOptions
+
+if TYPE_CHECKING:
+    from services.gateway.request_state import RequestState
 
 # room in a bus message for everything besides a request's prompt logprob arrays
 _BUS_MARGIN = 1 << 16
@@ -49,3 +55,19 @@ def check_logprobs(o: LogprobOptions, prompt_len: int, vocab_size: int, max_payl
             f"{len(o.token_ids or ())} token_ids_logprob) come to {size} bytes, over the bus's "
             f"{limit}-byte limit; raise logprob_start_len or ask for fewer logprobs per position"
         )
+
+
+def logprob_factory(
+    p: Prompt, token_texts: Callable[[list[int]], list[str]], source: RequestState | None
+) -> Callable[[], LogprobAccumulator]:
+    """A fresh logprob accumulator for p (one per attempt); source: the request whose prompt logprobs
+    these are (n > 1: the prompt's prefill; its current attempt's, read as they arrive)."""
+
+    def make() -> LogprobAccumulator:
+        assert p.logprob is not None and p.input_ids is not None
+        acc = LogprobAccumulator(p.logprob, p.input_ids, token_texts)
+        if source is not None and source.logprobs is not None:
+            acc.share_input(source.logprobs)
+        return acc
+
+    return make

@@ -209,9 +209,9 @@ class GrammarBackend(Retokenizer):
     def decode_bytes(self, tokens: list[int]) -> bytes:
         """The bytes the tokens stand for (a special token's: its text)."""
 
+    @abstractmethod
     def vocab_bytes(self) -> list[bytes | None]:
         """Each token id's bytes, for the ids of the grammar's vocabulary (None: never a token)."""
-        return [self.decode_bytes([t]) for t in range(self.vocab_size)]
 
 
 _PROBE = ' Hello, world! 12 {"a": [3.5]}\n\tnaïve 日本'

@@ -201,10 +201,11 @@ class XGrammarBackend(GrammarBackend):
         info = xgrammar.TokenizerInfo.from_huggingface(
             hf, vocab_size=vocab_size, stop_token_ids=known or None
         )
-        special = _special_ids(text)
+        added = _added_tokens(text)
+        special = {t for t, (_, is_special) in added.items() if is_special}
         info = _with_special_tokens(xgrammar, info, hf.get_vocab(), special, vocab_size)
         self._bytes = [b"" if t is None else t for t in info.decoded_vocab]
-        for t, content in _added_tokens(text).items():  # blanked for xgrammar: their text here
+        for t, (content, _) in added.items():  # blanked for xgrammar: their text here
             if t < len(self._bytes) and not self._bytes[t]:
                 self._bytes[t] = content.encode()
         self._special = set(info.special_token_ids) | special | set(info.stop_token_ids)
@@ -312,20 +313,14 @@ def library_message(e: Exception) -> str:
     return " ".join(_LOG_PREFIX.sub("", str(e)).split())[:500]
 
 
-def _added_tokens(tokenizer_json: str) -> dict[int, str]:
-    """tokenizer.json's added tokens: id -> text."""
+def _added_tokens(tokenizer_json: str) -> dict[int, tuple[str, bool]]:
+    """tokenizer.json's added tokens: id -> (text, marked special)."""
     added = json.loads(tokenizer_json).get("added_tokens") or []
     return {
-        t["id"]: t["content"]
+        t["id"]: (t["content"], bool(t.get("special")))
         for t in added
         if isinstance(t.get("id"), int) and isinstance(t.get("content"), str)
     }
-
-
-def _special_ids(tokenizer_json: str) -> set[int]:
-    """The ids of tokenizer.json's added tokens marked special."""
-    added = json.loads(tokenizer_json).get("added_tokens") or []
-    return {t["id"] for t in added if t.get("special") and isinstance(t.get("id"), int)}
 
 
 def _with_special_tokens(xgrammar, info, vocab: dict[str, int], special: set[int], vocab_size: int):
