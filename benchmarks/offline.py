@@ -126,6 +126,12 @@ def run_engine(args: argparse.Namespace, disable_radix_cache: bool) -> tuple[Run
         if args.torch_profile:
             print(engine._on_scheduler(_stop_torch_profile))
         trace = engine._on_scheduler(lambda s: s.timer.trace) if args.step_trace else None
+        if trace:
+            first, last = engine._on_scheduler(lambda s: (s.timer.first_launch, s.timer.last_done))
+            print(
+                f"the first step launched {1e3 * (first - t0):.0f} ms after the start; the last step's ids "
+                f"were on the host {1e3 * (t0 + duration - last):.0f} ms before the end"
+            )
         if args.step_trace:
             print(f"KV pool {before['max_total_tokens']} tokens")
             print(summarize_laps(engine._on_scheduler(lambda s: s.timer.laps)))

@@ -44,6 +44,11 @@ from sglbus_kernels.online_softmax import attend_keys
 
 # S, the number of key splits per request: enough programs to fill an H200's 132 SMs at batch 1-32
 DEFAULT_KV_SPLITS = 16
+# stage 1 on a GPU, (keys per tile, warps, pipeline stages), by whether it writes the output directly
+# (one split: large batches) or partials. One split: 2 warps, 2 stages made the seed workload's decode
+# steps 1.3-1.9% shorter on an H200 than 4 warps, 3 stages (docs/benchmarks.md, seventeenth session).
+# The interpreter takes 16-key tiles, so short test sequences span several.
+GPU_LAUNCH = {True: (64, 2, 2), False: (64, 4, 3)}
 
 _LOG2E = 1.4426950408889634
 
@@ -190,12 +195,10 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     prefix_slot = part_o.shape[2] - 1
     num_splits = _num_splits(prefix_slot, batch, num_kv_heads, q.device)
-    # GPU: 64-key tiles, 4 warps, 3 stages (best of 32/64/128 keys and 2/3 stages on an H200);
-    # the interpreter: 16-key tiles, so short test sequences span several
-    block_n = 16 if q.device.type == "cpu" else 64
+    direct = num_splits == 1 and cascade is None
+    block_n, warps, stages = (16, 4, 3) if q.device.type == "cpu" else GPU_LAUNCH[direct]
     dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
     starts = seq_lens if cascade is None else cascade.kv_starts  # (unread without a cascade)
-    direct = num_splits == 1 and cascade is None
     # kv heads first: a request's heads run side by side and read each slot's K (V) row together
     # (contiguous in the pool), 1-3.5% faster on an H200 than requests first
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
@@ -206,7 +209,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, USE_START=cascade is not None, DIRECT=direct,
-        num_warps=4, num_stages=3,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if direct:
         return

@@ -24,8 +24,6 @@ from __future__ import annotations
 import random
 import time
 
-import torch
-
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.radix_cache import RadixCache, TreeNode
 from services.scheduler.request import Req
@@ -38,10 +36,12 @@ IN_BATCH_HOLD_THRESHOLD = 32  # shared uncached tokens that make a request wait 
 def match_key(req: Req) -> list[int]:
     """The prefix that can come from the cache: all but the last token, which must be computed to
     produce logits, and nothing from the first position that still owes a prompt logprob."""
+    return req.fill[: _key_len(req)]
+
+
+def _key_len(req: Req) -> int:
     n = req.fill_len - 1
-    if req.lp_pos < req.lp_end:
-        n = min(n, req.lp_pos)
-    return req.fill[:n]
+    return min(n, req.lp_pos) if req.lp_pos < req.lp_end else n
 
 
 def order_waiting(waiting: list[Req], tree: PrefixCache, policy: str, max_wait: float) -> list[Req]:
@@ -89,20 +89,31 @@ def _dfs_weight(reqs: list[Req], tree: RadixCache) -> list[Req]:
 
 
 class InBatchPrefixCheck:
+    """The first IN_BATCH_HOLD_THRESHOLD + 1 tokens of each key admitted in the step: another key
+    shares more than the threshold with one of them exactly when its own first tokens are among them.
+    (A radix tree gave the same answer, but each step's tree became cyclic garbage: a collector pass
+    of tens of ms when the step loop was busiest.)"""
+
     def __init__(self) -> None:
-        self._seen = RadixCache(free_slots=lambda _: None)
+        self._heads: set[tuple[int, ...]] = set()
 
     def hold_back(self, req: Req, cached_len: int) -> bool:
         """True: wait for a request admitted earlier in this step; else `req` is recorded as admitted."""
         if self.covers(req, cached_len):
             return True
-        if cached_len <= IN_BATCH_CHECK_MAX_CACHED:
-            key = match_key(req)
-            self._seen.insert(key, torch.zeros(len(key), dtype=torch.int64))
+        if cached_len <= IN_BATCH_CHECK_MAX_CACHED and (head := _key_head(req)) is not None:
+            self._heads.add(head)
         return False
 
     def covers(self, req: Req, cached_len: int) -> bool:
         """Whether a request admitted in this step computes a long uncached prefix of `req`."""
         if cached_len > IN_BATCH_CHECK_MAX_CACHED:
             return False
-        return len(self._seen.match_prefix(match_key(req)).indices) > IN_BATCH_HOLD_THRESHOLD
+        head = _key_head(req)
+        return head is not None and head in self._heads
+
+
+def _key_head(req: Req) -> tuple[int, ...] | None:
+    """match_key(req)'s first IN_BATCH_HOLD_THRESHOLD + 1 tokens; None if it is not that long."""
+    n = IN_BATCH_HOLD_THRESHOLD + 1
+    return tuple(req.fill[:n]) if _key_len(req) >= n else None

@@ -40,6 +40,9 @@ class StepTimer:
         self._lap_t = 0.0
         self._step_laps: defaultdict[str, float] = defaultdict(float)
         self._step: tuple[str, int] = ("none", 0)  # the launched step's kind and requests
+        # (while tracing) wall time of the first step's launch and of the last step's completion
+        self.first_launch: float | None = None
+        self.last_done: float | None = None
         for key in ("device_s", "device_decode_s", "device_extend_s", "decode_steps", "extend_steps"):
             stats[key] = 0 if key.endswith("steps") else 0.0
 
@@ -48,6 +51,8 @@ class StepTimer:
             return None
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+        if self.trace is not None and self.first_launch is None:
+            self.first_launch = time.perf_counter()
         return start
 
     def end(
@@ -72,6 +77,7 @@ class StepTimer:
         if self.trace is not None:
             idle = self._last.elapsed_time(start) / 1000 if self._last is not None else 0.0
             self.trace.append((kind, requests, tokens, s, idle))
+            self.last_done = time.perf_counter()
         self._last = stop
 
     # -- host phases (only while `laps` is a list) -----------------------------------------------

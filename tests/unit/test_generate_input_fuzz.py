@@ -194,3 +194,12 @@ def test_n_above_the_limit_is_refused_naming_the_field():
     )
     with pytest.raises(ValueError, match=rf"sampling_params\.n = {MAX_N + 1} .*\[1, {MAX_N}\]"):
         parse_generate_input({"text": "hi", "sampling_params": {"n": MAX_N + 1}})
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, None, "7", [7], 2**70 * 1.0])
+def test_input_ids_take_ints_only(bad):
+    with pytest.raises(ValueError, match="integers only"):
+        parse_generate_input({"input_ids": [5, bad, 6]})
+    with pytest.raises(ValueError, match="integers only"):
+        parse_generate_input({"input_ids": [[5, 6], [bad]]})
+    assert parse_generate_input({"input_ids": [[5, 6], [2**40]]}).prompts[1].input_ids == [2**40]

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import torch
 
-from services.scheduler.policy import InBatchPrefixCheck, order_waiting
+from services.scheduler.policy import (
+    IN_BATCH_CHECK_MAX_CACHED,
+    IN_BATCH_HOLD_THRESHOLD,
+    InBatchPrefixCheck,
+    order_waiting,
+)
 from services.scheduler.radix_cache import RadixCache
 from services.scheduler.request import Req
 from shared.messages import GenerateReq
@@ -84,3 +90,38 @@ def test_in_batch_check_holds_back_requests_sharing_an_uncached_prefix():
     assert not check.hold_back(req("other", list(range(5000, 5100))), cached_len=0)
     # a request that already hits the cache is not held back
     assert not check.hold_back(req("cached", shared + [3]), cached_len=100)
+
+
+def test_in_batch_check_holds_back_past_the_threshold_only():
+    base = list(range(1000, 1000 + IN_BATCH_HOLD_THRESHOLD))
+    check = InBatchPrefixCheck()
+    assert not check.hold_back(req("first", base + [7, 8, 9]), cached_len=0)
+    # sharing exactly the threshold is not enough; one token more is
+    assert not check.hold_back(req("same-threshold", base + [6, 8, 9]), cached_len=0)
+    assert check.hold_back(req("one-more", base + [7, 5, 9]), cached_len=0)
+    # a key no longer than the threshold neither covers nor is covered
+    short = InBatchPrefixCheck()
+    assert not short.hold_back(req("short", base[:-1] + [1]), cached_len=0)
+    assert not short.hold_back(req("long", base[:-1] + [1, 2, 3]), cached_len=0)
+
+
+def test_in_batch_check_agrees_with_a_radix_tree_of_the_admitted_keys():
+    """The check keeps only each key's first tokens; a radix tree of the whole keys is the reference:
+    held back exactly when the longest match with an admitted key passes the threshold."""
+    rng = random.Random(0)
+    for _ in range(200):
+        check, tree = InBatchPrefixCheck(), RadixCache(free_slots=lambda _: None)
+        stem = [rng.randrange(50) for _ in range(60)]
+        for i in range(12):
+            cut = rng.randrange(0, 60)
+            ids = stem[:cut] + [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+            r = req(f"r{i}", ids)
+            cached = rng.choice([0, 0, 0, IN_BATCH_CHECK_MAX_CACHED + 1])
+            key = r.fill[: r.fill_len - 1]
+            expected = (
+                cached <= IN_BATCH_CHECK_MAX_CACHED
+                and len(tree.match_prefix(key).indices) > IN_BATCH_HOLD_THRESHOLD
+            )
+            assert check.hold_back(r, cached) == expected
+            if not expected and cached <= IN_BATCH_CHECK_MAX_CACHED and key:
+                tree.insert(key, torch.zeros(len(key), dtype=torch.int64))
