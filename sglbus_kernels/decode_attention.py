@@ -46,7 +46,7 @@ from sglbus_kernels.online_softmax import attend_keys
 DEFAULT_KV_SPLITS = 16
 # stage 1 on a GPU, (keys per tile, warps, pipeline stages), by whether it writes the output directly
 # (one split: large batches) or partials. One split: 2 warps, 2 stages made the seed workload's decode
-# steps 1.3-1.9% shorter on an H200 than 4 warps, 3 stages (docs/benchmarks.md, seventeenth session).
+# steps 1.6-1.9% shorter on an H200 than 4 warps, 3 stages (docs/benchmarks.md, seventeenth session).
 # The interpreter takes 16-key tiles, so short test sequences span several.
 GPU_LAUNCH = {True: (64, 2, 2), False: (64, 4, 3)}
 
