@@ -30,13 +30,14 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from shared.grammar_text import KINDS
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GrammarError(ValueError):
@@ -157,21 +158,25 @@ def accept_sequences(matchers: list[Matcher], seqs: list[list[int]]) -> list[boo
 def forced_tokens(matchers: list[Matcher]) -> list[list[int]]:
     """Each matcher's `forced()` ([] while its grammar waits): in one batched call when they share a
     backend that has one (`forced_batch`), else one by one."""
-    now = [m.grammar_now() for m in matchers]
-    live = [g for g in now if g is not None]
-    batch = _batched(live, "forced_batch")
-    got = iter(batch(live) if batch is not None else [g.forced() for g in live])
-    return [next(got) if g is not None else [] for g in now]
+    return _each_grammar(matchers, "forced_batch", lambda g: g.forced(), list)
 
 
 def done_flags(matchers: list[Matcher]) -> list[bool]:
     """Each matcher's `done` (False while its grammar waits): in one call when they share a backend
     that has one (`done_batch`)."""
+    return _each_grammar(matchers, "done_batch", lambda g: g.done, bool)
+
+
+def _each_grammar(
+    matchers: list[Matcher], batch_name: str, one: Callable[[Matcher], T], waiting: Callable[[], T]
+) -> list[T]:
+    """one(g) for each matcher's grammar_now() g, or the backend's batched call of that name over them
+    all; waiting() where a grammar waits."""
     now = [m.grammar_now() for m in matchers]
     live = [g for g in now if g is not None]
-    batch = _batched(live, "done_batch")
-    got = iter(batch(live) if batch is not None else [g.done for g in live])
-    return [next(got) if g is not None else False for g in now]
+    batch = _batched(live, batch_name)
+    got = iter(batch(live) if batch is not None else [one(g) for g in live])
+    return [next(got) if g is not None else waiting() for g in now]
 
 
 def _batched(matchers: list[Matcher], name: str) -> Callable | None:
