@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             raise SystemExit(
                 "no NATS URL: pass --nats-url (or SGLBUS_NATS_URL); the bus API is reached over NATS"
             )
-        result = asyncio.run(measure(args, *server))
+        result = asyncio.run(measure(args, server.base, server.nats_url, server.nats_token))
     print_block(args, result)
     if args.output_file:
         append_result(args.output_file, vars(args), machine, result)

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     machine = machine_info()
     with target(args) as server:
-        result = run(args, *server)
+        result = run(args, server.base, server.nats_url, server.nats_token)
     print_block(result)
     if args.output_file:
         append_result(args.output_file, vars(args), machine, result)

@@ -14,13 +14,15 @@ for up to --shutdown-timeout seconds, ending the rest with an error that says so
 and detokenizer, then NATS. A second Ctrl-C ends the drain at once.
 
 The embedded NATS requires a token, generated at each start unless --nats-token is given, written to
-$SGLBUS_CACHE_DIR/nats-token (readable by you only) for bus-API clients, and handed to the services
+$SGLBUS_CACHE_DIR/nats-token (nats-token-<port> with a --nats-port other than 4222; readable by you
+only; removed at exit) for bus-API clients, and handed to the services
 through the environment, never the command line (`ps` shows command lines to every user).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -144,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return sup.run(f"http://{gw.host}:{gw.port}", bool(gw.api_key))
     finally:
         sup.shutdown()
+        if nats is not None and "SGLBUS_NATS_TOKEN" in credentials:
+            _forget_token(credentials["SGLBUS_NATS_TOKEN"], args.nats_port)
 
 
 def default_gateways() -> int:
@@ -172,14 +176,20 @@ def _start_nats(args: argparse.Namespace) -> tuple[EmbeddedNats, dict[str, str],
         return nats.start(), env, f"bus clients: user {args.nats_user} and your password"
     token = args.nats_token or secrets.token_urlsafe(24)
     nats = EmbeddedNats(port=args.nats_port, token=token, preexec_fn=die_with_parent()).start()
-    path = _write_token_file(token)
+    path = _write_token_file(token, args.nats_port)
     return nats, {"SGLBUS_NATS_TOKEN": token}, f"bus clients: the token is in {path}"
 
 
-def _write_token_file(token: str) -> str:
+def token_file(port: int) -> str:
+    """Where the embedded NATS's token goes: `nats-token` for the default port, `nats-token-<port>` for
+    another, so a second server (a benchmark's, say) does not overwrite the token of one still running."""
     from shared.model_files import cache_root
 
-    path = os.path.join(cache_root(), "nats-token")
+    return os.path.join(cache_root(), "nats-token" if port == DEFAULT_NATS_PORT else f"nats-token-{port}")
+
+
+def _write_token_file(token: str, port: int) -> str:
+    path = token_file(port)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # a private temp file renamed over the old one: never readable by others, never half-written,
     # and a symlink planted at `path` is replaced, not followed
@@ -188,6 +198,16 @@ def _write_token_file(token: str) -> str:
         f.write(token + "\n")
     os.replace(tmp, path)
     return path
+
+
+def _forget_token(token: str, port: int) -> None:
+    """At exit, the token file goes if it still holds this server's token (a later server's stays)."""
+    path = token_file(port)
+    with contextlib.suppress(OSError):
+        with open(path) as f:
+            if f.read().strip() != token:
+                return
+        os.remove(path)
 
 
 def _flags(values: dict) -> list[str]:

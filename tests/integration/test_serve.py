@@ -137,8 +137,13 @@ def served() -> Iterator[Served]:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+def token_path(s: Served) -> str:
+    """The token file of a server on a port other than 4222 (sglbus.serve.token_file)."""
+    return os.path.join(s.cache, f"nats-token-{s.nats_port}")
+
+
 def token_of(s: Served) -> str:
-    with open(os.path.join(s.cache, "nats-token")) as f:
+    with open(token_path(s)) as f:
         return f.read().strip()
 
 
@@ -158,7 +163,7 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str) -> float:
 # -- what serve prints and writes ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_prints_the_bus_url_and_a_private_token_file(served: Served) -> None:
-    path = os.path.join(served.cache, "nats-token")
+    path = token_path(served)
     line = f"embedded NATS (JetStream on) at nats://127.0.0.1:{served.nats_port} "
     assert line in served.out() and path in served.out(), served.out()
     assert os.stat(path).st_mode & 0o777 == 0o600
@@ -382,6 +387,7 @@ def test_ctrl_c_stops_everything_in_order_and_quietly(served: Served) -> None:
     before = len(served.err())
     os.killpg(served.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     assert served.proc.wait(60) == 0
+    assert not os.path.exists(token_path(served))  # its token went with it
     log = served.err()[before:]
     steps = ["stopping gateway, gateway\n", "stopping scheduler, detokenizer", "stopping nats-server"]
     at = [log.find(step) for step in steps]

@@ -151,3 +151,11 @@ def test_log_level_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> 
     add_log_args(p)
     with pytest.raises(SystemExit):
         p.parse_args([])
+
+
+def test_the_token_file_is_named_for_a_port_other_than_the_default(monkeypatch, tmp_path):
+    from sglbus.serve import DEFAULT_NATS_PORT, token_file
+
+    monkeypatch.setenv("SGLBUS_CACHE_DIR", str(tmp_path))
+    assert token_file(DEFAULT_NATS_PORT) == str(tmp_path / "nats-token")  # what the README's clients read
+    assert token_file(5222) == str(tmp_path / "nats-token-5222")  # a second server leaves that one alone
