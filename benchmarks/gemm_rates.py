@@ -13,6 +13,7 @@ the product written as float32 by the GEMM (`out_dtype`), and the bf16 logits ar
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 2048, 2400, 10240])
     p.add_argument("--passes", type=int, default=2, help="alternating cuBLAS / cuBLASLt pairs")
     args = p.parse_args(argv)
-    assert torch.cuda.is_available(), "a GPU benchmark"
+    if not torch.cuda.is_available():
+        sys.exit("gemm_rates needs a CUDA GPU")
     torch.manual_seed(0)
     linear_rates(args.rows, ["cublas", "cublaslt"] * args.passes)
     lm_head_draw([m for m in args.rows if m <= 4096])

@@ -18,6 +18,7 @@ plain kernel's output; its KV GB/s counts every request's keys, so above the flo
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,8 @@ def bench_extend(num_reqs: int, ext: int, prefix: int, args: argparse.Namespace,
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("kernel_bench needs a CUDA GPU")
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name()
     print(

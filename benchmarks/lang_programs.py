@@ -686,7 +686,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--naive-server-args",
         default=None,
-        help='with --launch-server: a second server for the naive client, e.g. "--disable-radix-cache"',
+        help="with --launch-server: a second server for the naive client, e.g. "
+        "--naive-server-args=--disable-radix-cache (with '=': the value starts with a dash)",
     )
     p.add_argument(
         "--naive-programs", type=int, default=None, help="the naive client runs the first K programs"

@@ -105,7 +105,12 @@ def add_target_args(p: Any, nats: bool = False) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--launch-server", action="store_true", help="start `sglbus serve` on a free port")
-    p.add_argument("--server-args", default="", help='with --launch-server, e.g. "--max-running-requests 32"')
+    p.add_argument(
+        "--server-args",
+        default="",
+        help='with --launch-server, e.g. "--max-running-requests 32" '
+        "(one dash-led word takes '=': --server-args=--disable-radix-cache)",
+    )
     p.add_argument("--server-log", default=None, help="keep the launched server's log here")
     if nats:
         p.add_argument("--nats-url", default=os.environ.get("SGLBUS_NATS_URL"), help="the server's NATS")

@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 1024])
     p.add_argument("--context", type=int, default=512, help="KV tokens per request")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("step_time needs a CUDA GPU (it times the steps with CUDA events)")
     cfg = EngineConfig.from_env(
         **cli_overrides(args, EngineConfig), max_running_requests=max(args.batch_sizes)
     )
