@@ -5,7 +5,7 @@ Bench leaves: offline, serving, bus-latency, health-latency, large-batches, logp
 Each leaf subcommand owns its argument parser (so it also runs as `python -m <module>`); this file only
 routes to it. A leaf is declared without its own options and with add_help=False, so every argument
 after its name, `--help` included, is left unparsed here and forwarded to the leaf's `main(argv, prog)`.
-`serve` and `bench serving` / `bench one-batch` slot in as more entries of the same shape.
+`serve` is an entry of the same shape.
 """
 
 from __future__ import annotations

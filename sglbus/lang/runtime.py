@@ -47,9 +47,12 @@ class Runtime:
     def __init__(self, log_level: str = "error", launch_timeout: float = 300.0, **server_args: Any) -> None:
         """log_level, launch_timeout (there is no server to wait for) and the server options sglbus does
         not have are ignored (see the module's docstring); an option we have with a value we do not
-        support raises ValueError naming it."""
+        support raises ValueError naming it, and so does a LoRA option that is set (`lora_paths`, ...)."""
         from sglbus.engine import Engine
 
+        lora = sorted(k for k, v in server_args.items() if "lora" in k and v)
+        if lora:  # ignoring these would serve the base model where an adapter was asked for
+            raise ValueError(f"sgl.Runtime: {', '.join(lora)}: LoRA adapters are not supported")
         options, ignored = engine_options(server_args)
         if ignored:
             log.debug(

@@ -94,6 +94,9 @@ def test_runtime_generate_returns_sglangs_json_string(fake_engine):
     assert runtime.engine.requests[-1]["return_logprob"] is True
     with pytest.raises(ValueError, match="LoRA adapters are not supported"):
         runtime.generate("x", lora_path=["adapter"])
+    with pytest.raises(ValueError, match="lora_paths: LoRA adapters are not supported"):
+        sgl.Runtime(model_path="m", lora_paths=["adapter"])
+    sgl.Runtime(model_path="m", enable_lora=False).shutdown()  # LoRA options left off are fine
     assert runtime.get_tokenizer() is runtime.engine.tokenizer
 
     async def pieces() -> list[str]:
