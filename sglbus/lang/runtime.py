@@ -6,7 +6,8 @@ wherever a backend is), `generate`, `async_generate`, `cache_prefix`, `get_token
 
 Server options that are also Engine options (shared/config.py: model_path, mem_fraction_static,
 context_length, ...) are passed through; SGLang's others (tp_size, port, log_level, ...) are accepted
-and ignored, with a debug log naming them.
+and ignored, with a debug log naming them, but those that ask for LoRA adapters (`lora_paths`,
+`enable_lora`), which ignored would serve the base model instead, raise ValueError.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def engine_options(server_args: dict[str, Any]) -> tuple[dict[str, Any], list[st
     return options, sorted(k for k in server_args if k not in ours)
 
 
+# SGLang server options that ask for LoRA adapters (its other LoRA settings, such as
+# max_loras_per_batch, only size what adapters would get, and are ignored like any unknown option)
+_ADAPTER_OPTIONS = ("enable_lora", "lora_paths")
+
+
 def _alias(name: str, value: Any) -> Any:
     return _VALUE_ALIASES.get(name, {}).get(value, value) if isinstance(value, str) else value
 
@@ -47,10 +53,10 @@ class Runtime:
     def __init__(self, log_level: str = "error", launch_timeout: float = 300.0, **server_args: Any) -> None:
         """log_level, launch_timeout (there is no server to wait for) and the server options sglbus does
         not have are ignored (see the module's docstring); an option we have with a value we do not
-        support raises ValueError naming it, and so does a LoRA option that is set (`lora_paths`, ...)."""
+        support raises ValueError naming it, and so does an option asking for LoRA adapters."""
         from sglbus.engine import Engine
 
-        lora = sorted(k for k, v in server_args.items() if "lora" in k and v)
+        lora = sorted(k for k in _ADAPTER_OPTIONS if server_args.get(k))
         if lora:  # ignoring these would serve the base model where an adapter was asked for
             raise ValueError(f"sgl.Runtime: {', '.join(lora)}: LoRA adapters are not supported")
         options, ignored = engine_options(server_args)

@@ -96,7 +96,10 @@ def test_runtime_generate_returns_sglangs_json_string(fake_engine):
         runtime.generate("x", lora_path=["adapter"])
     with pytest.raises(ValueError, match="lora_paths: LoRA adapters are not supported"):
         sgl.Runtime(model_path="m", lora_paths=["adapter"])
-    sgl.Runtime(model_path="m", enable_lora=False).shutdown()  # LoRA options left off are fine
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters are not supported"):
+        sgl.Runtime(model_path="m", enable_lora=True)
+    # LoRA options left off, or settings that load no adapter, are ignored like other unknown options
+    sgl.Runtime(model_path="m", enable_lora=False, lora_paths=[], max_loras_per_batch=8).shutdown()
     assert runtime.get_tokenizer() is runtime.engine.tokenizer
 
     async def pieces() -> list[str]:
