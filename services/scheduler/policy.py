@@ -99,10 +99,11 @@ class InBatchPrefixCheck:
 
     def hold_back(self, req: Req, cached_len: int) -> bool:
         """True: wait for a request admitted earlier in this step; else `req` is recorded as admitted."""
-        if self.covers(req, cached_len):
+        if cached_len > IN_BATCH_CHECK_MAX_CACHED or (head := _key_head(req)) is None:
+            return False
+        if head in self._heads:
             return True
-        if cached_len <= IN_BATCH_CHECK_MAX_CACHED and (head := _key_head(req)) is not None:
-            self._heads.add(head)
+        self._heads.add(head)
         return False
 
     def covers(self, req: Req, cached_len: int) -> bool:

@@ -39,13 +39,13 @@ class TagGuard:
         last = end[-1:]
         # only a token holding the tag's last byte can complete it (a scan in C; the rest in Python)
         candidates = [(t, b) for t, b in enumerate(vocab_bytes) if b is not None and last in b]
-        never = [t for t, b in enumerate(vocab_bytes) if b is None]
+        base = [full] * words  # every id that is ever a token
+        for t in [*(t for t, b in enumerate(vocab_bytes) if b is None), *range(len(vocab_bytes), words * 32)]:
+            base[t // 32] &= ~(1 << (t % 32))
         self.rows = []
         for k in range(len(end)):
             head = end[:k]
-            bits = [full] * words
-            for t in [*never, *range(len(vocab_bytes), words * 32)]:  # never a token
-                bits[t // 32] &= ~(1 << (t % 32))
+            bits = base.copy()
             for t, b in candidates:
                 at = (head + b).find(end)
                 if at != -1 and at + len(end) < k + len(b):
