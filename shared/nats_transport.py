@@ -29,6 +29,7 @@ from shared.transport import (
     Subscription,
     Transport,
     Work,
+    work_lane,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class NatsTransport(Transport):
         self._subs: set[_NatsSubscription] = set()
         self.js = nc.jetstream()
         self._streams: set[str] = set()  # work-queue subjects whose stream this connection ensured
-        self._consumers: dict[str, tuple[str, float]] = {}  # work subject -> (group, ack_wait)
+        # (work subject, lane key) -> (group, ack_wait): the consumers to restore after a reconnect
+        self._consumers: dict[tuple[str, str | None], tuple[str, float]] = {}
         self._refused: asyncio.Future[None] | None = None  # set when the first connect is refused
         self._sync_subject = "_SGLBUS_SYNC." + nc.new_inbox().rsplit(".", 1)[-1]  # see _sync
 
@@ -204,9 +206,10 @@ class NatsTransport(Transport):
         name = work_stream_name(subject)
         if subject in self._streams:
             return name
+        # one stream for the shared lane and every keyed lane (`<subject>.<key>`)
         cfg = StreamConfig(
-            name=name, subjects=[subject], retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD, max_age=WORK_MAX_AGE_S,
+            name=name, subjects=[subject, work_lane(subject, "*")], retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=WORK_MAX_AGE_S,
         )  # fmt: skip
         try:
             await self.js.add_stream(cfg)
@@ -215,44 +218,63 @@ class NatsTransport(Transport):
         self._streams.add(subject)
         return name
 
-    async def _ensure_consumer(self, subject: str, group: str, ack_wait: float) -> None:
+    async def _ensure_consumer(self, subject: str, group: str, ack_wait: float, key: str | None) -> None:
         stream = await self._ensure_stream(subject)
+        lane, durable = work_lane(subject, key), _durable(group, key)
         cfg = ConsumerConfig(
-            durable_name=group, deliver_subject=_deliver_subject(subject), deliver_group=group,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=-1, max_ack_pending=-1,
+            durable_name=durable, deliver_subject=_deliver_subject(lane), deliver_group=durable,
+            filter_subject=lane, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=-1,
+            max_ack_pending=-1,
         )  # fmt: skip
         try:
             await self.js.add_consumer(stream, cfg)
-        except nats.js.errors.BadRequestError:  # exists with another ack_wait: replace it
-            await self.js.delete_consumer(stream, group)
+        except nats.js.errors.BadRequestError:  # exists with another ack_wait or filter: replace it
+            await self.js.delete_consumer(stream, durable)
             await self.js.add_consumer(stream, cfg)
 
     async def _ensure_consumers(self) -> None:
-        for subject, (group, ack_wait) in list(self._consumers.items()):
+        for (subject, key), (group, ack_wait) in list(self._consumers.items()):
             try:
-                await self._ensure_consumer(subject, group, ack_wait)
+                await self._ensure_consumer(subject, group, ack_wait, key)
             except Exception as e:  # the next reconnect tries again
-                log.warning("nats %s: could not restore the work queue %s: %s", self.name, subject, e)
+                log.warning("nats %s: could not restore the work queue %s: %s", self.name,
+                            work_lane(subject, key), e)  # fmt: skip
 
-    async def publish_work(self, subject: str, data: bytes) -> None:
+    async def publish_work(self, subject: str, data: bytes, key: str | None = None) -> int:
         for attempt in range(2):
             try:
                 await self._ensure_stream(subject)
-                await self.js.publish(subject, data, timeout=WORK_PUBLISH_TIMEOUT_S)
-                return
+                ack = await self.js.publish(work_lane(subject, key), data, timeout=WORK_PUBLISH_TIMEOUT_S)
+                return ack.seq
             except nats.js.errors.NoStreamResponseError:  # the stream went away (a NATS without its store)
                 self._streams.discard(subject)
                 if attempt:
                     raise BusUnavailable(f"no work queue for {subject} on NATS") from None
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as e:
                 raise BusUnavailable(f"NATS did not store the message ({type(e).__name__})") from None
+        raise AssertionError("unreachable")
+
+    async def withdraw_work(self, subject: str, receipt: int) -> bool:
+        if not receipt:
+            return False
+        try:
+            return bool(await self.js.delete_msg(work_stream_name(subject), receipt))
+        except nats.js.errors.NotFoundError:  # acknowledged (or expired) already
+            return False
+        except nats.js.errors.APIError as e:  # JetStream says "no message found" as a plain API error
+            if e.code == 404 or "no message found" in str(e).lower():
+                return False
+            raise BusUnavailable(f"NATS did not withdraw the message ({e})") from None
+        except (nats.errors.Error, TimeoutError) as e:
+            raise BusUnavailable(f"NATS did not withdraw the message ({type(e).__name__})") from None
 
     async def subscribe_work(
-        self, subject: str, group: str, handler: Handler, ack_wait: float
+        self, subject: str, group: str, handler: Handler, ack_wait: float, key: str | None = None
     ) -> Subscription:
-        await self._ensure_consumer(subject, group, ack_wait)
-        self._consumers[subject] = (group, ack_wait)
-        return await self._subscribe(_deliver_subject(subject), handler, group, work=True, name=subject)
+        await self._ensure_consumer(subject, group, ack_wait, key)
+        self._consumers[(subject, key)] = (group, ack_wait)
+        lane, durable = work_lane(subject, key), _durable(group, key)
+        return await self._subscribe(_deliver_subject(lane), handler, durable, work=True, name=subject)
 
     async def settle_work(self, token: str, verdict: str) -> None:
         if token:
@@ -331,6 +353,11 @@ async def _first(connecting: Any, refused: asyncio.Future, timeout: float) -> No
     if refused in done:
         refused.result()  # raises the AuthorizationError
     raise TimeoutError
+
+
+def _durable(group: str, key: str | None) -> str:
+    """The JetStream consumer of a lane: the group's name, `<group>_<key>` for a keyed lane."""
+    return group if key is None else f"{group}_{work_stream_name(key)}"
 
 
 def _deliver_subject(subject: str) -> str:

@@ -8,8 +8,12 @@ Handlers are coroutines; a subscription delivers its messages in order, one at a
 Work queue (`publish_work` / `subscribe_work`): a message is stored before `publish_work` returns and
 stays until someone settles its delivery (`settle_work(token, ACK)`); a delivery that is neither
 acknowledged nor kept alive (`PROGRESS`) within `ack_wait` is delivered again, to any member of the
-group. On NATS this is a JetStream work-queue stream; in-process nothing can die on its own, so a
-delivery is final and settling it does nothing.
+group. A queue has a shared lane (`key=None`: any member of the group takes each message) and one
+lane per key (`<queue>.<key>`: a message for one chosen consumer, such as one scheduler worker). The
+receipt `publish_work` returns lets the publisher take a message back while nobody acknowledged it
+(`withdraw_work`: its consumer died, and it goes to another). On NATS this is one JetStream
+work-queue stream for all lanes; in-process nothing can die on its own, so a delivery is final,
+settling it does nothing and nothing can be withdrawn.
 """
 
 from __future__ import annotations
@@ -64,7 +68,12 @@ class Subjects:
 
     @property
     def req(self) -> str:
+        """The schedulers' work queue: the shared lane, or `<req>.<worker>` for one worker."""
         return f"{self.prefix}.req"
+
+    def kv_events(self, worker: str) -> str:
+        """A scheduler's prefix-cache events (stored / removed blocks) and load, once per step."""
+        return f"{self.prefix}.kv.{worker}"
 
     @property
     def abort(self) -> str:
@@ -129,15 +138,23 @@ class Transport(ABC):
         messages between them (each message goes to one of them); others each get every message."""
 
     @abstractmethod
-    async def publish_work(self, subject: str, data: bytes) -> None:
-        """Store `data` in the work queue of `subject`; BusUnavailable if it could not be stored."""
+    async def publish_work(self, subject: str, data: bytes, key: str | None = None) -> int:
+        """Store `data` in the work queue `subject`, in the lane of `key` (None: the shared lane);
+        BusUnavailable if it could not be stored. Returns the receipt for `withdraw_work` (0: none)."""
 
     @abstractmethod
     async def subscribe_work(
-        self, subject: str, group: str, handler: Handler, ack_wait: float
+        self, subject: str, group: str, handler: Handler, ack_wait: float, key: str | None = None
     ) -> Subscription:
-        """Deliver the work queue of `subject` to `handler`, split between the members of `group`;
-        each Message carries its `work` delivery, to settle within `ack_wait` seconds."""
+        """Deliver the lane `key` of the work queue `subject` (None: the shared lane, split between the
+        members of `group`) to `handler`; each Message carries its `work` delivery, to settle within
+        `ack_wait` seconds."""
+
+    async def withdraw_work(self, subject: str, receipt: int) -> bool:
+        """Take a stored message out of the work queue before anyone acknowledged it: True when it
+        was still there (whoever holds a delivery of it can no longer settle it), False when it was
+        gone (acknowledged, or nothing to withdraw)."""
+        return False
 
     @abstractmethod
     async def settle_work(self, token: str, verdict: str) -> None:
@@ -213,17 +230,18 @@ class InProcessTransport(Transport):
         self._subs.setdefault(subject, []).append(sub)
         return sub
 
-    async def publish_work(self, subject: str, data: bytes) -> None:
+    async def publish_work(self, subject: str, data: bytes, key: str | None = None) -> int:
         # one process: a delivery cannot outlive its worker, so the queue is the plain queue group
-        await self.publish(_work_subject(subject), data)
+        await self.publish(_work_subject(subject, key), data)
+        return 0
 
     async def subscribe_work(
-        self, subject: str, group: str, handler: Handler, ack_wait: float
+        self, subject: str, group: str, handler: Handler, ack_wait: float, key: str | None = None
     ) -> Subscription:
         async def deliver(msg: Message) -> None:
             await handler(msg._replace(subject=subject, work=Work("")))
 
-        return await self.subscribe(_work_subject(subject), deliver, queue=group)
+        return await self.subscribe(_work_subject(subject, key), deliver, queue=group)
 
     async def settle_work(self, token: str, verdict: str) -> None:
         assert verdict in VERDICTS, verdict
@@ -234,5 +252,10 @@ class InProcessTransport(Transport):
                 await sub.unsubscribe()
 
 
-def _work_subject(subject: str) -> str:
-    return f"_WORK.{subject}"
+def _work_subject(subject: str, key: str | None = None) -> str:
+    return f"_WORK.{work_lane(subject, key)}"
+
+
+def work_lane(subject: str, key: str | None) -> str:
+    """The subject a work-queue message travels on: the queue's own (shared), or `<queue>.<key>`."""
+    return subject if key is None else f"{subject}.{key}"
