@@ -58,12 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglbus serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_log_args(p)
-    gateway_options = ("host", "port", "api_key", "served_model_name", "reasoning_parser", "shutdown_timeout")
+    gateway_options = ("host", "port", "api_key", "served_model_name", "reasoning_parser", "shutdown_timeout",
+                       "router_policy", "router_balance_weight", "worker_recovery_timeout")  # fmt: skip
     add_cli_args(p, GatewayConfig, only=gateway_options)
     p.add_argument("--tokenizer-worker-num", type=int, default=env("SGLBUS_TOKENIZER_WORKER_NUM", "0"),
                    help="gateway processes sharing the HTTP port, as SGLang's tokenizer workers: each "
                         "parses, tokenizes and streams its share of the connections (default: 0, one per 8 "
                         "CPU cores, 1 to 4; env SGLBUS_TOKENIZER_WORKER_NUM)")  # fmt: skip
+    p.add_argument("--dp-size", type=int, default=env("SGLBUS_DP_SIZE", "1"),
+                   help="scheduler workers (each a scheduler and its detokenizer), as SGLang's data "
+                        "parallelism: one per GPU where there are that many, else sharing the device, "
+                        "each with an even share of --max-total-tokens; the gateways route each request "
+                        "to one of them (--router-policy) (default: 1; env SGLBUS_DP_SIZE)")  # fmt: skip
     p.add_argument("--watchdog-timeout", type=float,
                    default=env("SGLBUS_WATCHDOG_TIMEOUT", str(WATCHDOG_TIMEOUT_S)),
                    help="seconds a service may go without progress (stopped, its event loop blocked, the "
@@ -87,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     gateways = args.tokenizer_worker_num or default_gateways()
     if gateways < 1:
         return _fail(f"--tokenizer-worker-num must be >= 1 (or 0 for the default), got {gateways}")
+    if args.dp_size < 1:
+        return _fail(f"--dp-size must be >= 1, got {args.dp_size}")
     if not args.watchdog_timeout >= 0:
         return _fail(
             f"--watchdog-timeout must be >= 0 (0 turns the watchdog off), got {args.watchdog_timeout}"
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     http = ["--host", gw.host, "--port", str(gw.port)]
     if gw.served_model_name:
         http += ["--served-model-name", gw.served_model_name]
+    http += ["--router-policy", gw.router_policy, "--router-balance-weight", str(gw.router_balance_weight),
+             "--worker-recovery-timeout", str(gw.worker_recovery_timeout)]  # fmt: skip
     if gw.reasoning_parser:
         http += ["--reasoning-parser", gw.reasoning_parser]
     http += ["--shutdown-timeout", str(gw.shutdown_timeout)]  # serve waits that long for the gateways
@@ -136,9 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     children = [
         *(Child("gateway", ["services.gateway", *bus, *http, *_flags(common)], gw_env)
           for _ in range(gateways)),
-        Child("scheduler", ["services.scheduler", *bus, *_flags(engine)], env),
-        Child("detokenizer", ["services.detokenizer", *bus, *_flags({**common, **pick("worker_id")})], env),
     ]  # fmt: skip
+    try:
+        workers = worker_options(engine, cfg, args.dp_size)
+    except ValueError as e:
+        return _fail(str(e))
+    for opts in workers:
+        detok = {**common, **({"worker_id": opts["worker_id"]} if "worker_id" in opts else {})}
+        children.append(Child("scheduler", ["services.scheduler", *bus, *_flags(opts)], env))
+        children.append(Child("detokenizer", ["services.detokenizer", *bus, *_flags(detok)], env))
     sup = Supervisor(children, nats, args.watchdog_timeout, gw.shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, sup.on_signal)
@@ -148,6 +164,37 @@ def main(argv: list[str] | None = None) -> int:
         sup.shutdown()
         if nats is not None and "SGLBUS_NATS_TOKEN" in credentials:
             _forget_token(credentials["SGLBUS_NATS_TOKEN"], args.nats_port)
+
+
+def worker_options(engine: dict, cfg: EngineConfig, dp_size: int) -> list[dict]:
+    """Each scheduler worker's options: worker ids 0..dp_size-1 (or the one --worker-id with one
+    worker), one GPU each where there are as many, else the device shared, each with an even share
+    of the KV memory (--max-total-tokens; on CPU, the default pool's share of RAM)."""
+    if dp_size == 1:
+        return [engine]
+    if "worker_id" in engine:
+        raise ValueError("--worker-id names a single worker: leave it unset with --dp-size (ids 0..N-1)")
+    gpus = _gpu_count() if cfg.device in ("auto", "cuda") else 0
+    out = []
+    for i in range(dp_size):
+        opts = {**engine, "worker_id": str(i)}
+        if gpus >= dp_size:
+            opts["device"] = f"cuda:{i}"
+        elif cfg.max_total_tokens:
+            opts["max_total_tokens"] = max(2, cfg.max_total_tokens // dp_size)
+        elif gpus or cfg.device.startswith("cuda"):
+            raise ValueError(f"--dp-size {dp_size} workers share a GPU (found {gpus}): give "
+                             "--max-total-tokens, the KV pool of all of them, to split evenly")  # fmt: skip
+        else:  # CPU: each takes its share of the default pool's RAM
+            opts["mem_fraction_static"] = (cfg.mem_fraction_static or 0.15) / dp_size
+        out.append(opts)
+    return out
+
+
+def _gpu_count() -> int:
+    import torch  # only here: serve starts without importing torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def default_gateways() -> int:

@@ -54,6 +54,11 @@ class EngineConfig:
     max_running_requests: int | None = option(
         None, "requests decoded at once; unset: sized from the KV pool on GPU (at most 4096), 64 on CPU"
     )
+    max_queued_requests: int | None = option(
+        None,
+        "requests a scheduler queues for admission at most; past it a new request is refused with a 503 "
+        "(and routers send none); unset: no bound",
+    )
     chunked_prefill_size: int | None = option(
         None, "prefill tokens per step, longer prompts are split into chunks; unset: 8192 on GPU, 2048 on CPU"
     )
@@ -117,6 +122,11 @@ class EngineConfig:
             "mem_fraction_static must be in (0, 1)",
         )
         need(self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests >= 1")
+        need(self.max_queued_requests is None or self.max_queued_requests >= 1, "max_queued_requests >= 1")
+        need(
+            is_subject_token(self.worker_id),
+            "worker_id must be a NATS subject token: no dots, spaces, * or >",
+        )
         need(0 <= self.new_token_ratio <= 1, "new_token_ratio must be in [0, 1]")
         need(self.request_ack_wait > 0, "request_ack_wait must be > 0")
         need(self.gateway_timeout > 0, "gateway_timeout must be > 0")
@@ -127,6 +137,11 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def is_subject_token(name: str) -> bool:
+    """One token of a NATS subject (a worker id names its work-queue lane and event subjects)."""
+    return bool(name) and not any(c in ".*>" or c.isspace() for c in name)
 
 
 def check_choices(cfg: Any) -> None:

@@ -16,6 +16,9 @@ import msgspec
 from shared.finish import FinishReason
 from shared.sampling_params import SamplingParams
 
+# a request delivered this many times took every scheduler that ran it down with it: it is refused
+MAX_DELIVERIES = 3
+
 
 class LogprobReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What logprobs a request wants (present only when it asked for any)."""
@@ -40,6 +43,9 @@ class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     # requests that run on the same scheduler once this one ended (the n > 1 samples after the
     # prefill that leaves their prompt in the prefix cache); one work-queue delivery with it
     then: list[GenerateReq] = []
+    # attempts before this message: a request the gateway routed again (its worker died) counts on
+    # from there, so each delivery of the new message is a higher attempt than any of the old one's
+    attempt_base: int = 0
 
 
 class LogprobOut(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -128,6 +134,45 @@ class BatchTextOut(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     outs: list[TextOut] = []
     worker: str = ""  # the worker (scheduler + detokenizer) that produced them: the gateway's metrics
+
+
+class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A scheduler's load, as the router weighs it (on every KvEvents message)."""
+
+    running: int = 0  # requests in the running batch
+    waiting: int = 0  # requests queued for admission (held n > 1 samples included)
+    # prompt tokens the queued requests still have to compute: each one's length less the leading
+    # blocks it found cached, or computed by a request that arrived before it, when it arrived
+    waiting_tokens: int = 0
+    kv_used: int = 0  # KV slots in use by requests (not the evictable cache)
+    kv_total: int = 0  # the KV pool's size
+    max_running: int = 0  # the most requests it runs at once
+    max_queued: int = 0  # its admission bound on queued requests (0: none)
+
+
+class KvEvents(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one scheduler's prefix cache stored and evicted since its last message (shared/kv_blocks.py
+    hashes), batched per step, with its load. `seq` counts this run's messages from 1 (a new run has a
+    new `instance`): a gateway that sees a gap asks for a snapshot. `cleared`: the cache was emptied
+    (a flush) before `stored` was applied."""
+
+    worker: str
+    instance: str
+    seq: int
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+    load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
+
+
+class KvSnapshot(msgspec.Struct, kw_only=True):
+    """Every block a scheduler's prefix cache holds, as of its KvEvents message `seq`."""
+
+    worker: str
+    instance: str
+    seq: int
+    blocks: list[int]
+    load: WorkerLoad
 
 
 _encoder = msgspec.msgpack.Encoder()

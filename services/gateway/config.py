@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.router.policies import ROUTER_POLICIES
 from shared.config import option
 from shared.reasoning_parser import REASONING_PARSERS
 
@@ -51,6 +52,23 @@ class GatewayConfig:
         "seconds the other in-flight requests wait for a dead worker to come back (the work queue then "
         "runs them again) before they fail",
     )
+    worker_recovery_timeout: float = option(
+        10.0,
+        "seconds the requests routed to a dead worker wait for it to come back; then they are taken back "
+        "from its queue and routed to a live worker (streams that already sent tokens fail at once)",
+    )
+    router_policy: str = option(
+        "cache_aware",
+        "which worker runs a request: cache_aware (fewest prefill tokens to wait for: the prompt less what "
+        "the worker's prefix cache holds, plus its queue), least_load, round_robin, random, or shared (no "
+        "choice: any scheduler takes it off one shared queue)",
+        ROUTER_POLICIES,
+    )
+    router_balance_weight: float = option(
+        32.0,
+        "cache_aware and least_load: the prefill tokens one running or queued request weighs in a "
+        "worker's load (higher spreads requests more evenly, lower keeps more affinity)",
+    )
     health_generate_timeout: float = option(
         30.0, "seconds allowed for the 1-token generation of /health_generate"
     )
@@ -80,5 +98,13 @@ class GatewayConfig:
             raise ValueError("worker_timeout must be > 0")
         if self.recovery_timeout <= 0:
             raise ValueError("recovery_timeout must be > 0")
+        if self.worker_recovery_timeout <= 0:
+            raise ValueError("worker_recovery_timeout must be > 0")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(
+                f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, not {self.router_policy!r}"
+            )
+        if not self.router_balance_weight >= 0:
+            raise ValueError("router_balance_weight must be >= 0")
         if not self.shutdown_timeout >= 0:
             raise ValueError("shutdown_timeout must be >= 0")

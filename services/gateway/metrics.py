@@ -176,6 +176,10 @@ class GatewayMetrics:
             "Histogram of End-to-end request latency in seconds",
             E2E_BUCKETS,
         )
+        self.routes = Counter("sglbus:router_requests", "Requests routed, by worker and outcome (hit: to the "
+                              "worker holding most of the prompt; miss: none held any; imbalance: load sent "
+                              "it elsewhere; shared: to the shared queue).",
+                              ("model_name", "policy", "outcome", "worker"), registry=reg)  # fmt: skip
         self.registry = CollectorRegistry()
         self.registry.register(_RequestCollector(self._own, peers))
         self.registry.register(_SchedulerCollector(snapshots, model_name))
@@ -210,6 +214,9 @@ class GatewayMetrics:
             self.aborted.labels(*labels).inc()
         if e2e is not None:
             self.e2e.labels(*labels).observe(e2e)
+
+    def routed(self, policy: str, outcome: str, worker: str | None) -> None:
+        self.routes.labels(self.model_name, policy, outcome, worker or "").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,9 +32,10 @@ from services.gateway.generate_input import GenerateInput, Prompt, parse_generat
 from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.request_prep import check_logprobs, logprob_factory, nth_sample, warm_prompt
 from services.gateway.request_state import Delta, RequestState
+from services.gateway.router.router import Dispatch, Route, Router
 from shared.finish import Abort, describe
 from shared.grammar_text import check_grammar, grammar_of
-from shared.messages import AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
+from shared.messages import MAX_DELIVERIES, AbortReq, BatchTextOut, Decoder, GenerateReq, TextOut, encode
 from shared.reasoning_parser import reasoning_end
 from shared.transport import ACK, BusUnavailable, Message, Subjects, Subscription, Transport
 
@@ -86,6 +87,8 @@ class RequestManager:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.bodies = BodyParser(vocab_size)
         self.metrics: GatewayMetrics | None = None  # the gateway's /metrics (the offline Engine has none)
+        # which worker runs each request (the served gateway's); None: the shared lane of the queue
+        self.router: Router | None = None
         self.refusing: str | None = None  # why new requests are refused (shutting down), or None
         # rid -> the highest attempt an abort was sent for: a later attempt runs on a scheduler that
         # never heard that abort (the one that had it died), and is aborted again
@@ -218,18 +221,63 @@ class RequestManager:
             states.append(members)
             msgs.append(msgspec.structs.replace(reqs[0], then=reqs[1:]))
         for i, (members, msg) in enumerate(zip(states, msgs, strict=True)):
+            dispatch = Dispatch(msg, self._route(msg.input_ids))
             for st in members:
                 self._states[st.rid] = st
                 st.published = time.perf_counter()
+                st.dispatch = dispatch
             try:
-                await self.transport.publish_work(self.subjects.req, encode(msg))
+                dispatch.receipt = await self.transport.publish_work(
+                    self.subjects.req, encode(msg), dispatch.route.worker
+                )
             except BaseException:  # BusUnavailable (answered 503), or the caller went away
+                self._release(dispatch, 0)
                 for later in states[i:]:
                     for st in later:
                         self._states.pop(st.rid, None)
                 await self._forget([st for g in states[:i] for st in g])
                 raise
         return states
+
+    def _route(self, prompt: list[int], exclude: tuple[str, ...] = ()) -> Route:
+        if self.router is None:
+            return Route(None, "shared")
+        return self.router.route(prompt, exclude)
+
+    def _release(self, dispatch: Dispatch | None, grace: float | None = None) -> None:
+        """Its prompt is computed, or it ended: the router's overlay lets go of its blocks."""
+        if self.router is not None and dispatch is not None:
+            self.router.release(dispatch.route, *(() if grace is None else (grace,)))
+
+    async def reroute(self, dead: set[str]) -> int:
+        """Send the unfinished requests waiting on these dead workers to live ones: each message is
+        taken back from its worker's lane first (so the worker, if it comes back, does not run it
+        too), then published again with a higher attempt base (its new run starts over: the
+        gateway follows the highest attempt). Returns how many messages moved."""
+        moved = 0
+        for dispatch in {id(st.dispatch): st.dispatch for st in self._states.values()
+                         if st.dispatch is not None and not st.finished}.values():  # fmt: skip
+            if dispatch.route.worker not in dead:
+                continue
+            if not await self.transport.withdraw_work(self.subjects.req, dispatch.receipt):
+                continue  # acknowledged meanwhile, or never stored: nothing to move
+            self._release(dispatch, 0)
+            seen = max((st.attempt for st in self._states.values() if st.dispatch is dispatch), default=1)
+            msg = msgspec.structs.replace(dispatch.msg, attempt_base=seen + MAX_DELIVERIES)
+            dispatch.msg, dispatch.route = msg, self._route(msg.input_ids, tuple(dead))
+            dispatch.reroutes += 1
+            dispatch.receipt = await self.transport.publish_work(
+                self.subjects.req, encode(msg), dispatch.route.worker
+            )
+            log.warning("%s: its worker is gone; routed again to %s", msg.rid,
+                        dispatch.route.worker or "the shared lane")  # fmt: skip
+            moved += 1
+        return moved
+
+    def routed_to(self, workers: set[str]) -> list[str]:
+        """Unfinished requests routed to these workers."""
+        return [rid for rid, st in self._states.items() if not st.finished and st.dispatch is not None
+                and st.dispatch.route.worker in workers]  # fmt: skip
 
     async def wait(self, states: list[RequestState]) -> list[RequestState]:
         """The states once all have finished (a cancelled wait aborts what is unfinished)."""
@@ -320,6 +368,7 @@ class RequestManager:
         for st in states:
             if not st.finished:
                 self._note_aborted(st.rid, st.attempt)
+            self._release(st.dispatch)
             if self._states.pop(st.rid, None) is not None and self.metrics is not None:
                 self._count(st)
         if unfinished:  # the caller went away: free the scheduler's KV for these
@@ -383,6 +432,8 @@ class RequestManager:
         st.sent_ids = min(st.sent_ids, out.offset)  # a delta stream sends them again from there
         st.output_ids.extend(out.output_ids)
         st.worker = worker or st.worker
+        if st.output_ids or out.finish is not None:  # its prompt is computed (in the worker's cache)
+            self._release(st.dispatch)
         if self.metrics is not None and len(st.output_ids) > before:
             self._observe_tokens(st, len(st.output_ids) - before)
         if out.logprobs is not None and st.logprobs is not None:

@@ -39,6 +39,7 @@ class RequestState:
     prompt_ids: list[int] | None = None  # return_prompt_token_ids: sent with every response
     # n > 1: the prompt's prefill and its samples, one work-queue delivery (acknowledged once all ended)
     group: list[RequestState] | None = None
+    dispatch: Any = None  # router.Dispatch: the work-queue message it went in, and to which worker
     # what deltas have sent: text length, output ids, output logprob rows, the prompt's logprobs
     sent_text: int = 0
     sent_ids: int = 0

@@ -20,6 +20,7 @@ from services.gateway.fanout import FanOut, combine_server_info, gather
 from services.gateway.metrics import GatewayMetrics, checked_snapshot
 from services.gateway.openai_serving import OpenAIServing
 from services.gateway.request_manager import RequestManager
+from services.gateway.router.router import Router
 from shared.heartbeat import Heartbeat
 from shared.model_config import ModelConfig
 from shared.transport import Message, Subjects, Subscription, Transport
@@ -55,10 +56,16 @@ class Gateway:
         self._peer_metrics: dict[str, tuple[float, list]] = {}  # other gateway -> (when, its request series)
         self.metrics = GatewayMetrics(self.served_model_name, self.scheduler_reports, self.peer_metrics)
         self.requests.metrics = self.metrics
+        self.router = Router(cfg.router_policy, transport, self.subjects, self.live_workers,
+                             cfg.router_balance_weight)  # fmt: skip
+        self.router.on_route = lambda r: self.metrics.routed(cfg.router_policy, r.outcome, r.worker)
+        self.requests.router = self.router
+        self._gone: set[str] = set()  # workers dead past worker_timeout, forgotten by the router
 
     async def start(self) -> None:
         await self.requests.start()
         await self.requests.bodies.start()  # its child now, not at the first large body
+        await self.router.start()
         s = self.subjects
         # schedulers drop the requests of a gateway whose heartbeat stopped (its clients are gone)
         # its request metrics go along: a scrape of any gateway sums every live gateway's (metrics.py)
@@ -75,6 +82,7 @@ class Gateway:
         self._tasks = [
             loop.create_task(self._watch_workers()),
             loop.create_task(self._watch_lost_requests()),
+            loop.create_task(self._watch_routed()),
             loop.create_task(self._fetch_info_until_ready()),
         ]
 
@@ -84,6 +92,7 @@ class Gateway:
             t.cancel()
         await self._leave(self._api_subs)
         await self._leave(self._subs)
+        await self.router.stop()
         await self.bus_api.stop()
         await self.requests.stop()
 
@@ -134,6 +143,55 @@ class Gateway:
         return sorted(w for (svc, w), t in self._seen.items()
                       if svc == "scheduler" and now - t < self.cfg.worker_timeout)  # fmt: skip
 
+    def live_workers(self) -> list[str]:
+        """Workers that can serve now: a live scheduler and a live detokenizer (the router's choice)."""
+        now, timeout = time.monotonic(), self.cfg.worker_timeout
+        live = {(svc, w) for (svc, w), t in self._seen.items() if now - t < timeout}
+        return sorted(w for svc, w in live if svc == "scheduler" and ("detokenizer", w) in live)
+
+    def _silent_for(self, worker: str, now: float) -> float:
+        """Seconds since the older of the worker's scheduler and detokenizer heartbeats."""
+        seen = [self._seen.get((svc, worker)) for svc in ("scheduler", "detokenizer")]
+        return now - min(t if t is not None else -1e18 for t in seen)
+
+    async def _watch_routed(self) -> None:
+        """Requests routed to a worker that died: a stream that sent tokens fails once the worker is
+        dead (`worker_timeout`: its restart would sample anew); the others wait for it to come back
+        for `worker_recovery_timeout`, then go to a live worker (taken back from the dead one's queue
+        first, so a worker that returns later does not run them twice). The router forgets a dead
+        worker's blocks and load."""
+        while True:
+            await asyncio.sleep(0.5)
+            now, known = time.monotonic(), {w for svc, w in self._seen if svc == "scheduler"}
+            dead = {
+                w: self._silent_for(w, now)
+                for w in known
+                if self._silent_for(w, now) >= self.cfg.worker_timeout
+            }
+            for w in set(dead) - self._gone:
+                self.router.forget(w)
+            self._gone = set(dead)
+            if not dead or not self.requests.in_flight:
+                continue
+            streamed = set(self.requests.streamed_rids()) & set(self.requests.routed_to(set(dead)))
+            if streamed:
+                msg = (
+                    f"worker {', '.join(sorted(dead))} stopped answering for {self.cfg.worker_timeout:.0f} s"
+                )
+                log.error("%s; failing %d streams it was running", msg, len(streamed))
+                self.requests.fail(msg, sorted(streamed))
+                await self.requests.abort(sorted(streamed))
+            late = {w for w, t in dead.items() if t >= self.cfg.worker_recovery_timeout}
+            if late and self.live_workers():
+                try:
+                    moved = await self.requests.reroute(late)
+                except Exception as e:  # the bus is down: the next turn tries again
+                    log.warning("could not route the requests of dead worker(s) %s again: %s", late, e)
+                    continue
+                if moved:
+                    log.warning("routed %d requests of dead worker(s) %s to live ones", moved,
+                                ", ".join(sorted(late)))  # fmt: skip
+
     async def fan_out(self, what: str, payload: dict[str, Any] | None = None,
                       repeat: float | None = None) -> FanOut:  # fmt: skip
         """Ask every scheduler (`ctl.all.<what>`); the answers of those that answered within the
@@ -173,6 +231,7 @@ class Gateway:
         for state in info["internal_states"]:
             seen = self._seen.get(("detokenizer", str(state.get("worker_id"))))
             state["detokenizer_alive"] = seen is not None and now - seen < self.cfg.worker_timeout
+        info["router"] = self.router.info()
         self.scheduler_info = info
         self.requests.context_len = info["context_length"]
         return info

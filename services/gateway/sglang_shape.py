@@ -19,6 +19,7 @@ def response(st: RequestState) -> dict[str, Any]:
         "completion_tokens": len(st.output_ids),
         "cached_tokens": st.cached_tokens,
         "finish_reason": as_dict(st.finish),
+        "worker_id": st.worker,  # the worker (scheduler + detokenizer) that served it
         **st.logprob_meta(),
     }
     if st.finished:

@@ -22,6 +22,7 @@ from shared.transport import Work
 if TYPE_CHECKING:
     from services.scheduler.memory import KVPool
     from services.scheduler.step_output import StepOutput
+    from shared.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +35,20 @@ class RequestIntake:
     vocab_size: int
     context_len: int
     eos_ids: tuple[int, ...]
+    cfg: EngineConfig
     held: dict[int, list[Req]]  # a request's uid -> the requests that run after it (GenerateReq.then)
 
     def add_request(
-        self, msg: GenerateReq, work: Work | None = None, max_deliveries: int | None = None
-    ) -> None:
+        self, msg: GenerateReq, work: Work | None = None, max_deliveries: int | None = None,
+        new_tokens: int | None = None,
+    ) -> None:  # fmt: skip
         """Queue a request (and hold those that run after it), or answer it at once with a 400 that
         names what is wrong with it. `work`: the work-queue delivery it came in (None in-process).
         A delivery past `max_deliveries` of a request that does not run here took every scheduler
         that ran it down with it: answered with a 500, not run again. (One that runs here was
-        delivered again only because a keep-alive came late, on a busy machine: it keeps going.)"""
+        delivered again only because a keep-alive came late, on a busy machine: it keeps going.)
+        `new_tokens`: the prompt tokens it will compute, as estimated on arrival (the load report).
+        Past `max_queued_requests` waiting requests a new one is refused with a 503."""
         if work is not None and work.deliveries > 1:
             rids = {msg.rid, *(m.rid for m in msg.then)}
             live = [r for r in self._all() if r.rid in rids]
@@ -57,7 +62,15 @@ class RequestIntake:
                 log.error("%s: %s", msg.rid, why)
                 self.reject(msg, why, 500, work)
                 return
+        bound = self.cfg.max_queued_requests
+        if bound is not None and len(self.waiting) >= bound:
+            why = (f"the scheduler's queue is full ({bound} requests waiting, max_queued_requests); "
+                   "retry later")  # fmt: skip
+            self.reject(msg, why, 503, work)
+            return
         req = self._checked(msg, work)
+        if new_tokens is not None:
+            req.queued_tokens = new_tokens
         if isinstance(req.finish, Abort):  # refused: so are those that would run after it
             for m in msg.then:
                 self._finish_now(self._blank(m, work), req.finish.message, req.finish.status_code or 400)
@@ -75,7 +88,7 @@ class RequestIntake:
             problem = f"invalid request: {type(e).__name__}: {e}"
             req = self._blank(msg, None)
         if work is not None:
-            req.work_token, req.attempt = work.token, work.deliveries
+            req.work_token, req.attempt = work.token, msg.attempt_base + work.deliveries
         if problem is not None:
             self._finish_now(req, problem)
         return req
@@ -154,5 +167,5 @@ class RequestIntake:
         blank = GenerateReq(rid=msg.rid, input_ids=[], sampling=SamplingParams(), out_subject=msg.out_subject)
         req = Req(blank, self.eos_ids)
         if work is not None:
-            req.work_token, req.attempt = work.token, work.deliveries
+            req.work_token, req.attempt = work.token, msg.attempt_base + work.deliveries
         return req

@@ -31,9 +31,12 @@ from typing import NamedTuple
 
 import torch
 
+from shared.kv_blocks import BLOCK_TOKENS, block_hashes
+
 
 class TreeNode:
-    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access_time", "access_seq")
+    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access_time", "access_seq",
+                 "depth", "blocks")  # fmt: skip
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, lock_ref: int = 0):
         self.children: dict[int, TreeNode] = {}  # keyed by the first token of the child's edge
@@ -44,6 +47,9 @@ class TreeNode:
         self.last_access_time = 0.0
         # monotonic() can return equal values for back-to-back touches; the counter makes LRU exact.
         self.access_seq = 0
+        # with a BlockLog: tokens above this edge, and the hashes of the blocks that end on it
+        self.depth = 0
+        self.blocks: list[int] = []
 
     def __repr__(self) -> str:
         return f"TreeNode(key={self.key}, lock_ref={self.lock_ref})"
@@ -62,6 +68,41 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
     return i
 
 
+class BlockLog:
+    """The blocks (shared/kv_blocks.py) a tree stored and evicted since the last `take`: what its
+    scheduler publishes for the routers (services/scheduler/kv_events.py). `held`: every block in the
+    tree now."""
+
+    def __init__(self) -> None:
+        self.stored: list[int] = []
+        self.removed: list[int] = []
+        self.cleared = False
+        self.held: set[int] = set()
+
+    def store(self, blocks: list[int]) -> None:
+        self.stored += blocks
+        self.held.update(blocks)
+
+    def remove(self, blocks: list[int]) -> None:
+        self.removed += blocks
+        self.held.difference_update(blocks)
+
+    def clear(self) -> None:
+        self.stored, self.removed, self.cleared = [], [], True
+        self.held = set()
+
+    def take(self) -> tuple[list[int], list[int], bool]:
+        """What changed since the last take, netted against what the tree holds now (a block evicted
+        and stored again is stored; one stored and evicted again is removed), so the three apply in
+        any order: cleared, then stored and removed."""
+        held = self.held
+        stored = list(dict.fromkeys(h for h in self.stored if h in held))
+        removed = list(dict.fromkeys(h for h in self.removed if h not in held))
+        out = (stored, removed, self.cleared)
+        self.stored, self.removed, self.cleared = [], [], False
+        return out
+
+
 class RadixCache:
     shares = True  # matches can be non-empty (prefix_cache.NoPrefixCache: never)
 
@@ -69,6 +110,7 @@ class RadixCache:
         self.free_slots = free_slots
         self._empty = torch.empty(0, dtype=torch.int64, device=device)
         self._seq = itertools.count(1)
+        self.block_log: BlockLog | None = None  # set by a scheduler that publishes its blocks
         self._reset_tree()
 
     def _reset_tree(self) -> None:
@@ -116,6 +158,9 @@ class RadixCache:
         if i < len(key):
             # clone: a slice would pin the caller's whole tensor and alias memory it may reuse.
             leaf = TreeNode(key[i:], value[i:].to(torch.int64).clone(), node)
+            if self.block_log is not None:
+                leaf.depth, leaf.blocks = i, self._new_blocks(node, key, i)
+                self.block_log.store(leaf.blocks)
             self._touch(leaf)
             node.children[key[i]] = leaf
             self._evictable += len(leaf.key)  # a fresh leaf is unlocked even under a locked parent
@@ -133,6 +178,8 @@ class RadixCache:
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
             self.free_slots(node.value)
+            if self.block_log is not None:
+                self.block_log.remove(node.blocks)
             freed += len(node.value)
             parent = node.parent
             assert parent is not None
@@ -181,6 +228,12 @@ class RadixCache:
         if len(slots):
             self.free_slots(slots)
         self._reset_tree()
+        if self.block_log is not None:
+            self.block_log.clear()
+
+    def all_blocks(self) -> list[int]:
+        """The hashes of every block the tree holds (with a BlockLog)."""
+        return [h for n in self._walk() for h in n.blocks]
 
     def all_slots(self) -> torch.Tensor:
         parts = [n.value for n in self._walk() if n is not self.root]
@@ -222,12 +275,36 @@ class RadixCache:
         # Views are safe here: the shared base is our own copy (cloned at insert), not caller memory.
         new = TreeNode(child.key[:n], child.value[:n], parent, lock_ref=child.lock_ref)
         new.last_access_time, new.access_seq = child.last_access_time, child.access_seq
+        if child.blocks:  # the blocks that end above the cut go up with it
+            upper = max(0, (child.depth + n) // BLOCK_TOKENS - child.depth // BLOCK_TOKENS)
+            new.blocks, child.blocks = child.blocks[:upper], child.blocks[upper:]
+        new.depth = child.depth
+        child.depth += n
         new.children = {child.key[n]: child}
         parent.children[child.key[0]] = new
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = new
         return new  # never a leaf, so the leaf set is unchanged
+
+    def _new_blocks(self, node: TreeNode, key: list[int], i: int) -> list[int]:
+        """The hashes of the blocks of `key` that end past `i`, where a new leaf below `node` (which
+        ends at token i) begins; chained from the hash of the block that ends at or before i."""
+        start = i // BLOCK_TOKENS * BLOCK_TOKENS
+        if start + BLOCK_TOKENS > len(key):
+            return []
+        return block_hashes(key, self._block_ending(node, start), start)
+
+    @staticmethod
+    def _block_ending(node: TreeNode, pos: int) -> int:
+        """The hash of the block that ends at token `pos` on the path up from `node` (0 for pos 0)."""
+        while pos > 0:
+            if node.depth < pos <= node.depth + len(node.key):
+                first_end = (node.depth // BLOCK_TOKENS + 1) * BLOCK_TOKENS
+                return node.blocks[(pos - first_end) // BLOCK_TOKENS]
+            assert node.parent is not None
+            node = node.parent
+        return 0
 
     def _walk(self) -> Iterator[TreeNode]:
         stack = [self.root]

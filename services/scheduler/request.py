@@ -45,7 +45,7 @@ class Req:
         "arrival", "stop_ids", "num_cached", "num_computed", "last_node", "row", "cached_tokens",
         "finish", "announced", "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
         "work_token", "attempt", "pending", "pending_at", "pending_step", "grammar", "matcher",
-        "reasoning_end",
+        "reasoning_end", "queued_tokens",
     )  # fmt: skip
 
     def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...], context_len: int = 1 << 62) -> None:
@@ -95,6 +95,8 @@ class Req:
         self.grammar = GrammarSpec(*grammar) if grammar else None
         self.matcher: Matcher | None = None
         self.reasoning_end = msg.reasoning_end  # the grammar waits for this tag (reasoning_gate.py)
+        # prompt tokens it will compute, as estimated when it arrived (its worker's load report)
+        self.queued_tokens = len(msg.input_ids)
 
     @property
     def fill(self) -> list[int]:

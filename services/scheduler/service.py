@@ -24,12 +24,13 @@ from typing import Any
 import msgspec
 import orjson
 
+from services.scheduler.kv_events import KvEventStream
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.heartbeat import INTERVAL_S, Heartbeat
-from shared.messages import AbortReq, Decoder, GenerateReq, encode_split
+from shared.messages import MAX_DELIVERIES, AbortReq, Decoder, GenerateReq, encode, encode_split
 from shared.model_files import default_model_path, resolve_model_folder
 from shared.transport import NAK, PROGRESS, TERM, Message, Subjects, Subscription, Transport, Work
 
@@ -37,8 +38,6 @@ log = logging.getLogger(__name__)
 
 _WAITING_S = 0.005  # the pause of a loop whose requests all wait for work off the scheduler thread
 _IDLE_CHECK_S = 1.0  # an idle scheduler checks KV integrity after this long without work
-# a request delivered this many times took every scheduler that ran it down with it: refuse it
-MAX_DELIVERIES = 3
 _ABORTED_KEPT = 10_000  # rids aborted lately: an abort can overtake its request on the bus
 
 
@@ -67,13 +66,18 @@ class SchedulerService:
         self._started = time.monotonic()
         self._turned = time.monotonic()  # when the step thread last began a turn of its loop
         self.metrics = SchedulerMetrics()  # built on the scheduler thread, sent with each heartbeat
+        # the routers' view of this worker (prefix-cache blocks and load); none in-process (one worker)
+        self.kv_events = None if transport.in_process else KvEventStream(config.worker_id, self.scheduler)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._failed = self._loop.create_future()
         s = self.subjects
         ack_wait = self.cfg.request_ack_wait
+        # the shared lane (any scheduler takes each request) and this worker's own (a router chose it)
         self._subs.append(await self.transport.subscribe_work(s.req, "schedulers", self._on_req, ack_wait))
+        self._subs.append(await self.transport.subscribe_work(s.req, "schedulers", self._on_req, ack_wait,
+                                                              key=self.cfg.worker_id))  # fmt: skip
         self._subs.append(await self.transport.subscribe(s.abort, self._on_abort))
         self._subs.append(await self.transport.subscribe(s.ctl("heartbeat"), self._on_heartbeat))
         ctl = (("server_info", self._on_server_info), ("flush_cache", self._on_flush_cache),
@@ -83,6 +87,9 @@ class SchedulerService:
             # fan-out, which gathers the answers of all live workers)
             self._subs.append(await self.transport.subscribe(s.ctl(what), handler, queue="schedulers"))
             self._subs.append(await self.transport.subscribe(s.ctl_all(what), handler))
+        if self.kv_events is not None:
+            snapshot = s.ctl(f"kv_snapshot.{self.cfg.worker_id}")
+            self._subs.append(await self.transport.subscribe(snapshot, self._on_kv_snapshot))
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
         self._heartbeat = Heartbeat(self.transport, s.ctl("heartbeat"), "scheduler", self.cfg.worker_id,
@@ -144,7 +151,8 @@ class SchedulerService:
             # no valid place to answer, its client gave up before it arrived, or its gateway is gone
             await self.transport.settle_work(work.token, TERM)
             return
-        self._put(lambda: self.scheduler.add_request(msg, work, MAX_DELIVERIES))
+        new_tokens = None if self.kv_events is None else self.kv_events.new_tokens(msg.input_ids)
+        self._put(lambda: self.scheduler.add_request(msg, work, MAX_DELIVERIES, new_tokens))
 
     async def _on_abort(self, m: Message) -> None:
         try:
@@ -250,6 +258,23 @@ class SchedulerService:
             answer = {"rids": known, "worker_id": self.cfg.worker_id}
             await self.transport.publish(m.reply, orjson.dumps(answer))
 
+    async def _on_kv_snapshot(self, m: Message) -> None:
+        """Every block this worker's cache holds, for a gateway that starts or missed an event."""
+        if m.reply and self.kv_events is not None:
+            snap = await self.call(self._kv_snapshot)
+            await self.transport.publish(m.reply, encode(snap))
+
+    def _kv_snapshot(self, sched: Scheduler) -> Any:
+        """(scheduler thread) The changes not sent yet go out first (from this thread: in order with
+        the step's messages), then the snapshot, as of that message."""
+        assert self.kv_events is not None
+        pending, snap = self.kv_events.snapshot(sched)
+        if pending is not None:
+            self._publish_soon(
+                self.transport.publish(self.subjects.kv_events(pending.worker), encode(pending))
+            )
+        return snap
+
     async def _on_flush_cache(self, m: Message) -> None:
         if m.reply:
             ok = await self.call(self._flush_cache)
@@ -318,9 +343,11 @@ class SchedulerService:
                     return
             else:
                 out = sched.take_output()  # requests rejected on arrival
+            self._send(out)
+            self._send_kv_events()
             if out is not None:
-                self._send(out)
-            elif sched.has_work and sched.stats["steps"] == launched:
+                continue
+            if sched.has_work and sched.stats["steps"] == launched:
                 # requests wait only for work off this thread (a grammar compiling, a held request):
                 # do not spin, which would keep that work from the GIL (the first grammar's backend
                 # start took over 150 s so on 2 cores); a new request wakes this at once
@@ -340,6 +367,11 @@ class SchedulerService:
         detok = self.subjects.detok(self.cfg.worker_id)
         for data in encode_split(out, self.transport.max_payload):
             self._publish_soon(self.transport.publish(detok, data))
+
+    def _send_kv_events(self) -> None:
+        """(scheduler thread) The step's prefix-cache changes and the load, for the routers."""
+        if self.kv_events is not None and (msg := self.kv_events.message(self.scheduler)) is not None:
+            self._publish_soon(self.transport.publish(self.subjects.kv_events(msg.worker), encode(msg)))
 
     def _publish_soon(self, coro: Any) -> None:
         """(scheduler thread) Hand a bus coroutine to the event loop; they run in the order handed."""

@@ -1,0 +1,223 @@
+"""Which worker runs a request: the gateway's router.
+
+Each request goes to one live worker's own lane of the work queue (`Transport.publish_work(key=...)`),
+chosen by the policy (`policies.py`) from, per worker:
+- how much of the prompt it holds: the leading blocks of the prompt (shared/kv_blocks.py) in the
+  index built from the workers' KvEvents (`kv_index.py`: the same in every gateway), or in this
+  gateway's overlay of prompts it routed there that have not produced output yet (their blocks are
+  being computed: without it, the second request of a new prefix, sent before the first one's
+  prefill ended, would look like a miss everywhere);
+- its load: the last `WorkerLoad` it reported (with every KvEvents message, at least once a second and
+  up to ten times while it changes), plus what this gateway routed to it since, so a burst counts at
+  once.
+A worker past its admission bound (`max_queued`) gets nothing while another one is below its own.
+With policy `shared`, or before any worker is known, the request goes to the shared lane, where any
+scheduler takes it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from services.gateway.router.kv_index import KvIndex
+from services.gateway.router.policies import Candidate, make_policy
+from shared.kv_blocks import BLOCK_TOKENS, block_hashes
+from shared.messages import Decoder, KvEvents, KvSnapshot, WorkerLoad
+from shared.transport import Message, Subjects, Subscription, Transport
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 5.0
+# a routed prompt's blocks stay in the overlay this long after its first output (by then the
+# worker's KvEvents with those blocks have arrived: they leave the scheduler before its output does)
+RELEASE_GRACE_S = 1.0
+OUTCOMES = ("hit", "miss", "imbalance", "shared")
+
+
+@dataclass
+class Route:
+    """One routing decision. `outcome`: `hit` (the worker holding most of the prompt), `miss` (no
+    worker holds any of it), `imbalance` (one holds more, but load sent it elsewhere), `shared` (no
+    worker chosen: the shared lane)."""
+
+    worker: str | None
+    outcome: str
+    overlap: int = 0  # prompt tokens the chosen worker holds
+    new_tokens: int = 0  # prompt tokens it computes
+    blocks: list[int] = field(default_factory=list)  # in the overlay until released
+    released: bool = False
+
+
+@dataclass
+class Dispatch:
+    """One work-queue message as published (a request, or an n > 1 group): where it went, and its
+    receipt, to take it back and send it elsewhere when its worker dies (`RequestManager.reroute`)."""
+
+    msg: Any  # the GenerateReq
+    route: Route
+    receipt: int = 0
+    reroutes: int = 0
+
+
+@dataclass
+class _Load:
+    report: WorkerLoad
+    routed: int = 0  # requests routed here by this gateway since the report
+    routed_tokens: int = 0  # their prefill tokens
+
+    @property
+    def requests(self) -> int:
+        return self.report.running + self.report.waiting + self.routed
+
+    @property
+    def full(self) -> bool:
+        return 0 < self.report.max_queued <= self.report.waiting + self.routed
+
+
+class Router:
+    def __init__(self, policy: str, transport: Transport, subjects: Subjects,
+                 live: Callable[[], list[str]], balance_weight: float = 32.0) -> None:  # fmt: skip
+        """`live`: the workers that can serve now (live scheduler and detokenizer)."""
+        self.policy_name = policy
+        self.policy = None if policy == "shared" else make_policy(policy, balance_weight)
+        self.transport, self.subjects, self.live = transport, subjects, live
+        self.index = KvIndex()
+        self._loads: dict[str, _Load] = {}
+        self._pending: dict[int, dict[str, int]] = {}  # overlay: block -> {worker: routed prompts}
+        self.decisions: Counter[str] = Counter()
+        self.per_worker: Counter[str] = Counter()
+        self._events_dec, self._snap_dec = Decoder(KvEvents), Decoder(KvSnapshot)
+        self._syncing: dict[str, asyncio.Task] = {}
+        self._sub: Subscription | None = None
+        self.on_route: Callable[[Route], None] | None = None  # the gateway's metrics
+
+    async def start(self) -> None:
+        self._sub = await self.transport.subscribe(self.subjects.kv_events("*"), self._on_events)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        for task in self._syncing.values():
+            task.cancel()
+
+    # -- decisions --------------------------------------------------------------------------------
+    def route(self, prompt: list[int], exclude: Collection[str] = ()) -> Route:
+        live = [w for w in self.live() if w not in exclude]
+        if self.policy is None or not live:
+            return self._decided(Route(None, "shared", new_tokens=len(prompt)))
+        blocks = block_hashes(prompt)
+        held = self.index.overlaps(blocks, live, self._pending)
+        cands = []
+        for w in live:
+            load = self._load(w)
+            overlap = min(held[w] * BLOCK_TOKENS, len(prompt) - 1)  # the last token is always computed
+            queued = load.report.waiting_tokens + load.routed_tokens
+            cands.append(
+                Candidate(w, overlap, len(prompt) - overlap, queued, load.requests, self.index.size(w))
+            )
+        open_ = [c for c in cands if not self._load(c.worker).full] or cands
+        key = blocks[0] if blocks else hash(tuple(prompt))
+        best = self.policy(open_, key)
+        most = max(c.overlap for c in cands)
+        outcome = "miss" if most == 0 else "hit" if best.overlap == most else "imbalance"
+        load = self._load(best.worker)
+        load.routed += 1
+        load.routed_tokens += best.new_tokens
+        for h in blocks:
+            into = self._pending.setdefault(h, {})
+            into[best.worker] = into.get(best.worker, 0) + 1
+        return self._decided(Route(best.worker, outcome, best.overlap, best.new_tokens, blocks))
+
+    def release(self, route: Route, grace: float = RELEASE_GRACE_S) -> None:
+        """The routed prompt is computed (its first output came) or it ended: its blocks leave the
+        overlay after `grace` seconds (the index has them by then, if its worker kept them)."""
+        if route.released or route.worker is None:
+            return
+        route.released = True
+        if grace > 0:
+            asyncio.get_running_loop().call_later(grace, self._unpend, route)
+        else:
+            self._unpend(route)
+
+    def _unpend(self, route: Route) -> None:
+        for h in route.blocks:
+            into = self._pending.get(h)
+            if into is None or route.worker not in into:
+                continue
+            into[route.worker] -= 1
+            if not into[route.worker]:
+                del into[route.worker]
+                if not into:
+                    del self._pending[h]
+
+    def _decided(self, route: Route) -> Route:
+        self.decisions[route.outcome] += 1
+        self.per_worker[route.worker or ""] += 1
+        if self.on_route is not None:
+            self.on_route(route)
+        return route
+
+    def _load(self, worker: str) -> _Load:
+        load = self._loads.get(worker)
+        if load is None:
+            load = self._loads[worker] = _Load(WorkerLoad())
+        return load
+
+    def forget(self, worker: str) -> None:
+        """A worker that is gone: its blocks and load no longer count."""
+        self.index.drop(worker)
+        self._loads.pop(worker, None)
+
+    # -- the workers' events -----------------------------------------------------------------------
+    async def _on_events(self, m: Message) -> None:
+        try:
+            ev = self._events_dec(m.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("ignoring a message on %s that is not KvEvents: %s", m.subject, e)
+            return
+        self._loads[ev.worker] = _Load(ev.load)  # a fresh report: what was routed before is in it
+        if self.index.on_events(ev) and ev.worker not in self._syncing:
+            task = asyncio.get_running_loop().create_task(self._sync(ev.worker))
+            self._syncing[ev.worker] = task
+
+    async def _sync(self, worker: str) -> None:
+        """Ask the worker for its snapshot until the index has caught up with it."""
+        try:
+            for _ in range(5):
+                try:
+                    data = await self.transport.request(
+                        self.subjects.ctl(f"kv_snapshot.{worker}"), b"", SNAPSHOT_TIMEOUT_S
+                    )
+                    if not self.index.on_snapshot(self._snap_dec(data)):
+                        return
+                except (TimeoutError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                    log.warning("no KV snapshot from worker %s yet: %s", worker, e)
+                await asyncio.sleep(0.5)
+        finally:
+            self._syncing.pop(worker, None)
+
+    # -- reports ---------------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """For /get_server_info: the policy, its decisions, and each known worker's picture."""
+        workers = {}
+        for w in sorted(set(self._loads) | set(self.index.workers())):
+            load = self._load(w)
+            workers[w] = {
+                "cached_blocks": self.index.size(w),
+                "routed": self.per_worker[w],
+                "load": msgspec.to_builtins(load.report),
+                "routed_since_report": load.routed,
+            }
+        return {
+            "policy": self.policy_name,
+            "block_tokens": BLOCK_TOKENS,
+            "decisions": {k: self.decisions[k] for k in OUTCOMES},
+            "kv_snapshots": self.index.gaps,
+            "workers": workers,
+        }

@@ -1,0 +1,127 @@
+"""The gateway's router on a simulated deployment: workers that report their cache's blocks and their
+load (KvEvents, as schedulers send them), requests of a multi-tenant shared-prefix workload."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from services.gateway.router.router import Router
+from shared.kv_blocks import block_hashes
+from shared.messages import KvEvents, WorkerLoad, encode
+from shared.transport import InProcessTransport, Message, Subjects
+
+pytestmark = pytest.mark.asyncio
+
+
+class Fleet:
+    """Workers as the router sees them: each "computes" a routed prompt by reporting its blocks."""
+
+    def __init__(self, router: Router, workers: list[str]) -> None:
+        self.router, self.workers = router, workers
+        self.seq = dict.fromkeys(workers, 0)
+        self.blocks: dict[str, set[int]] = {w: set() for w in workers}
+
+    async def report(self, worker: str, stored=(), load: WorkerLoad | None = None) -> None:
+        self.seq[worker] += 1
+        self.blocks[worker] |= set(stored)
+        ev = KvEvents(worker=worker, instance="i", seq=self.seq[worker], stored=list(stored),
+                      load=load or WorkerLoad())  # fmt: skip
+        await self.router._on_events(Message(f"sglbus.kv.{worker}", encode(ev)))
+
+
+def make_router(workers: list[str], policy: str = "cache_aware") -> Router:
+    return Router(policy, InProcessTransport(), Subjects(), lambda: list(workers))
+
+
+def workload(
+    groups: int, per_group: int, system_len: int = 256, seed: int = 0
+) -> list[tuple[int, list[int]]]:
+    """(group, prompt) interleaved across groups: each group's prompts share a system prompt."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(49152) for _ in range(system_len)] for _ in range(groups)]
+    return [(g, systems[g] + [rng.randrange(49152) for _ in range(20)])
+            for _ in range(per_group) for g in range(groups)]  # fmt: skip
+
+
+async def test_cache_aware_keeps_each_group_on_one_worker_and_spreads_groups() -> None:
+    workers = ["0", "1", "2", "3"]
+    router = make_router(workers)
+    fleet = Fleet(router, workers)
+    where: dict[int, set[str]] = {}
+    for g, prompt in workload(8, 6):
+        route = router.route(prompt)
+        where.setdefault(g, set()).add(route.worker)
+        await fleet.report(route.worker, block_hashes(prompt))  # its prefill ran: the blocks are cached
+        router.release(route, grace=0)
+    assert all(len(w) == 1 for w in where.values()), where
+    per_worker = [sum(1 for w in where.values() if w == {x}) for x in workers]
+    assert per_worker == [2, 2, 2, 2]
+    assert router.decisions["miss"] == 8 and router.decisions["hit"] == 40
+
+
+async def test_a_burst_follows_the_first_request_of_its_group_before_any_event() -> None:
+    workers = ["0", "1", "2"]
+    router = make_router(workers)
+    where: dict[int, set[str]] = {}
+    for g, prompt in workload(6, 4):  # nothing reported: the overlay of routed prompts decides
+        where.setdefault(g, set()).add(router.route(prompt).worker)
+    assert all(len(w) == 1 for w in where.values()), where
+    assert sorted(len([g for g, w in where.items() if w == {x}]) for x in workers) == [2, 2, 2]
+
+
+async def test_load_can_outweigh_affinity_and_a_full_worker_gets_nothing() -> None:
+    workers = ["0", "1"]
+    router = make_router(workers)
+    fleet = Fleet(router, workers)
+    (_, prompt), (_, other) = workload(1, 2)
+    await fleet.report("0", block_hashes(prompt))
+    assert router.route(prompt).worker == "0"  # a hit
+    # worker 0's queue holds far more prefill than recomputing the prefix elsewhere costs
+    await fleet.report("0", load=WorkerLoad(waiting=40, waiting_tokens=20_000))
+    route = router.route(other)
+    assert (route.worker, route.outcome) == ("1", "imbalance")
+    # a worker at its admission bound gets nothing while another is below its own
+    await fleet.report("0", load=WorkerLoad(waiting=4, max_queued=4))
+    await fleet.report("1", load=WorkerLoad(waiting=100, waiting_tokens=10**6))
+    assert router.route(prompt).worker == "1"
+
+
+async def test_two_gateways_fed_the_same_events_decide_alike() -> None:
+    workers = ["0", "1", "2", "3"]
+    a, b = make_router(workers), make_router(workers)
+    fa, fb = Fleet(a, workers), Fleet(b, workers)
+    prompts = [p for _, p in workload(12, 1, seed=3)]
+    for i, p in enumerate(prompts[:6]):  # some prefixes cached on some workers
+        for fleet in (fa, fb):
+            await fleet.report(workers[i % 4], block_hashes(p))
+    for p in prompts:  # hits and misses alike
+        ra, rb = a.route(p), b.route(p)
+        assert ra.worker == rb.worker
+        a.release(ra, grace=0)
+        b.release(rb, grace=0)
+
+
+async def test_round_robin_and_shared() -> None:
+    rr = make_router(["0", "1", "2"], "round_robin")
+    prompt = workload(1, 1)[0][1]
+    assert [rr.route(prompt).worker for _ in range(6)] == ["0", "1", "2", "0", "1", "2"]
+    shared = make_router(["0", "1"], "shared")
+    route = shared.route(prompt)
+    assert route.worker is None and route.outcome == "shared"
+    assert make_router([]).route(prompt).worker is None  # no live worker yet: the shared lane
+
+
+async def test_info_reports_decisions_and_workers() -> None:
+    router = make_router(["0"])
+    fleet = Fleet(router, ["0"])
+    prompt = workload(1, 1)[0][1]
+    await fleet.report("0", block_hashes(prompt), WorkerLoad(running=3, kv_total=100))
+    router.route(prompt)
+    info = router.info()
+    assert info["decisions"]["hit"] == 1 and info["workers"]["0"]["cached_blocks"] == len(
+        block_hashes(prompt)
+    )
+    assert msgspec.convert(info["workers"]["0"]["load"], WorkerLoad).running == 3
