@@ -18,7 +18,7 @@ from shared.sglang_fields import GENERATE_REQ_INPUT, SGLANG_VERSION, is_default
 # fields the engine honours: these, and the logprob fields (one beyond SGLang among them)
 SUPPORTED = (
     "text", "input_ids", "sampling_params", "rid", "stream", "log_metrics", "return_prompt_token_ids",
-    "require_reasoning", *LOGPROB_FIELDS,
+    "require_reasoning", "data_parallel_rank", *LOGPROB_FIELDS,
 )  # fmt: skip
 # the rest of SGLang's fields, which the engine cannot honour yet: accepted at their defaults, else 400
 NOT_YET = {k: v for k, v in GENERATE_REQ_INPUT.items() if k not in SUPPORTED}
@@ -38,6 +38,8 @@ class Prompt:
     # require_reasoning: the output starts with the model's reasoning, and a grammar applies after it
     # (the end tag is the server's --reasoning-parser's)
     require_reasoning: bool = False
+    # data_parallel_rank: run on this worker (its worker id is the rank's number), not the router's pick
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -87,8 +89,11 @@ def parse_generate_input(obj: Any) -> GenerateInput:
     reasoning = obj.get("require_reasoning")
     if reasoning is not None and not isinstance(reasoning, bool):
         raise ValueError("require_reasoning must be true or false")
+    dp_rank = obj.get("data_parallel_rank")
+    if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or dp_rank < 0):
+        raise ValueError("data_parallel_rank must be a worker's number (an integer >= 0) or null")
     prompts = [
-        Prompt(r, t, i, p, lp, bool(prompt_ids), bool(reasoning))
+        Prompt(r, t, i, p, lp, bool(prompt_ids), bool(reasoning), dp_rank)
         for r, (t, i), p, lp in zip(_rids(obj.get("rid"), n, is_batch), items, params, logprobs, strict=True)
     ]
     # n > 1: one response per sample, grouped prompt by prompt, always a list (as SGLang)

@@ -177,6 +177,9 @@ class RequestManager:
             p.sampling.verify_length(len(ids), self.context_len)
         if p.logprob is not None:
             check_logprobs(p.logprob, len(ids), self.vocab_size, self.transport.max_payload)
+        if p.dp_rank is not None and self.router is not None and str(p.dp_rank) not in self.router.live():
+            live = ", ".join(self.router.live()) or "none yet"
+            raise ValueError(f"data_parallel_rank {p.dp_rank} names no live worker; live workers: {live}")
         if p.require_reasoning and self.reasoning_parser is None:
             raise ValueError("require_reasoning needs a server started with --reasoning-parser (it names the "
                              "tag that ends the reasoning); leave it unset")  # fmt: skip
@@ -221,7 +224,8 @@ class RequestManager:
             states.append(members)
             msgs.append(msgspec.structs.replace(reqs[0], then=reqs[1:]))
         for i, (members, msg) in enumerate(zip(states, msgs, strict=True)):
-            dispatch = Dispatch(msg, self._route(msg.input_ids))
+            pin = groups[i][0].dp_rank
+            dispatch = Dispatch(msg, self._route(msg.input_ids, pin=None if pin is None else str(pin)))
             for st in members:
                 self._states[st.rid] = st
                 st.published = time.perf_counter()
@@ -239,10 +243,10 @@ class RequestManager:
                 raise
         return states
 
-    def _route(self, prompt: list[int], exclude: tuple[str, ...] = ()) -> Route:
+    def _route(self, prompt: list[int], exclude: tuple[str, ...] = (), pin: str | None = None) -> Route:
         if self.router is None:
             return Route(None, "shared")
-        return self.router.route(prompt, exclude)
+        return self.router.route(prompt, exclude, pin)
 
     def _release(self, dispatch: Dispatch | None, grace: float | None = None) -> None:
         """Its prompt is computed, or it ended: the router's overlay lets go of its blocks."""

@@ -60,7 +60,7 @@ class Gateway:
                              cfg.router_balance_weight)  # fmt: skip
         self.router.on_route = lambda r: self.metrics.routed(cfg.router_policy, r.outcome, r.worker)
         self.requests.router = self.router
-        self._gone: set[str] = set()  # workers dead past worker_timeout, forgotten by the router
+        self._gone: set[str] = set()  # workers dead past worker_recovery_timeout, forgotten by the router
 
     async def start(self) -> None:
         await self.requests.start()
@@ -158,8 +158,8 @@ class Gateway:
         """Requests routed to a worker that died: a stream that sent tokens fails once the worker is
         dead (`worker_timeout`: its restart would sample anew); the others wait for it to come back
         for `worker_recovery_timeout`, then go to a live worker (taken back from the dead one's queue
-        first, so a worker that returns later does not run them twice). The router forgets a dead
-        worker's blocks and load."""
+        first, so a worker that returns later does not run them twice). The router forgets the blocks
+        and load of a worker dead that long."""
         while True:
             await asyncio.sleep(0.5)
             now, known = time.monotonic(), {w for svc, w in self._seen if svc == "scheduler"}
@@ -168,19 +168,21 @@ class Gateway:
                 for w in known
                 if self._silent_for(w, now) >= self.cfg.worker_timeout
             }
-            for w in set(dead) - self._gone:
+            # given up on: its blocks and load no longer count (one that is only late keeps them)
+            gone = {w for w, t in dead.items() if t >= self.cfg.worker_recovery_timeout}
+            for w in gone - self._gone:
                 self.router.forget(w)
-            self._gone = set(dead)
+            self._gone = gone
             if not dead or not self.requests.in_flight:
                 continue
-            streamed = set(self.requests.streamed_rids()) & set(self.requests.routed_to(set(dead)))
-            if streamed:
-                msg = (
-                    f"worker {', '.join(sorted(dead))} stopped answering for {self.cfg.worker_timeout:.0f} s"
-                )
-                log.error("%s; failing %d streams it was running", msg, len(streamed))
-                self.requests.fail(msg, sorted(streamed))
-                await self.requests.abort(sorted(streamed))
+            streaming = set(self.requests.streamed_rids())
+            for w in sorted(dead):
+                streamed = sorted(streaming.intersection(self.requests.routed_to({w})))
+                if streamed:
+                    msg = f"worker {w} stopped answering for {self.cfg.worker_timeout:.0f} s"
+                    log.error("%s; failing %d streams it was running", msg, len(streamed))
+                    self.requests.fail(msg, streamed)
+                    await self.requests.abort(streamed)
             late = {w for w, t in dead.items() if t >= self.cfg.worker_recovery_timeout}
             if late and self.live_workers():
                 try:

@@ -125,3 +125,12 @@ async def test_info_reports_decisions_and_workers() -> None:
         block_hashes(prompt)
     )
     assert msgspec.convert(info["workers"]["0"]["load"], WorkerLoad).running == 3
+
+
+async def test_a_pinned_request_goes_to_its_worker_when_it_is_live() -> None:
+    router = make_router(["0", "1"])
+    prompt = workload(1, 1)[0][1]
+    await Fleet(router, ["0", "1"]).report("0", block_hashes(prompt))
+    assert router.route(prompt, pin="1").worker == "1"
+    assert router.route(prompt, pin="7").worker == "0"  # not live: the policy decides
+    assert make_router(["0", "1"], "shared").route(prompt, pin="1").worker == "1"

@@ -75,6 +75,11 @@ class KvIndex:
     def workers(self) -> list[str]:
         return sorted(self._workers)
 
+    def syncing(self, worker: str) -> bool:
+        """Whether the worker's snapshot is awaited (its blocks here are not its cache's yet)."""
+        w = self._workers.get(worker)
+        return w is not None and w.syncing
+
     def size(self, worker: str) -> int:
         w = self._workers.get(worker)
         return 0 if w is None else len(w.blocks)

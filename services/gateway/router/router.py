@@ -107,9 +107,12 @@ class Router:
             task.cancel()
 
     # -- decisions --------------------------------------------------------------------------------
-    def route(self, prompt: list[int], exclude: Collection[str] = ()) -> Route:
+    def route(self, prompt: list[int], exclude: Collection[str] = (), pin: str | None = None) -> Route:
+        """`pin`: the worker the request asked for (data_parallel_rank), if it is live."""
         live = [w for w in self.live() if w not in exclude]
-        if self.policy is None or not live:
+        if pin is not None and pin in live:
+            live = [pin]
+        elif self.policy is None or not live:
             return self._decided(Route(None, "shared", new_tokens=len(prompt)))
         blocks = block_hashes(prompt)
         held = self.index.overlaps(blocks, live, self._pending)
@@ -123,7 +126,7 @@ class Router:
             )
         open_ = [c for c in cands if not self._load(c.worker).full] or cands
         key = blocks[0] if blocks else hash(tuple(prompt))
-        best = self.policy(open_, key)
+        best = open_[0] if len(open_) == 1 or self.policy is None else self.policy(open_, key)
         most = max(c.overlap for c in cands)
         outcome = "miss" if most == 0 else "hit" if best.overlap == most else "imbalance"
         load = self._load(best.worker)
@@ -210,6 +213,7 @@ class Router:
             load = self._load(w)
             workers[w] = {
                 "cached_blocks": self.index.size(w),
+                "syncing": self.index.syncing(w),
                 "routed": self.per_worker[w],
                 "load": msgspec.to_builtins(load.report),
                 "routed_since_report": load.routed,
