@@ -2,9 +2,9 @@
 evicted, batched per step, and its load, on `<prefix>.kv.<worker>` (`shared.messages.KvEvents`), with
 a snapshot of every block it holds for a gateway that starts or sees a gap in `seq`.
 
-A message goes out after a step whose cache changed, while the load changes at most every
-LOAD_INTERVAL_S, and at least every KEEPALIVE_S (an idle worker's load is fresh, and a gateway that
-missed the last message sees the gap within a second)."""
+A message goes out after each step that changed the cache or the load (a few dozen a second on a
+busy GPU, each a few hundred bytes: routers see a worker's load as of its last step), and at least
+every KEEPALIVE_S (a gateway that missed the last message sees the gap within a second)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from shared.messages import KvEvents, KvSnapshot, WorkerLoad
 if TYPE_CHECKING:
     from services.scheduler.scheduler import Scheduler
 
-LOAD_INTERVAL_S = 0.1
 KEEPALIVE_S = 1.0
 # blocks of prompts that arrived lately count as computed for the prompts after them (the first one
 # computes them, the others hit them: the scheduler's in-batch prefix check), for this long
@@ -65,8 +64,6 @@ class KvEventStream:
         now = time.monotonic()
         changed = bool(self.log.stored or self.log.removed or self.log.cleared)
         due = now - self._sent_at >= KEEPALIVE_S
-        if not changed and not due and now - self._sent_at < LOAD_INTERVAL_S:
-            return None
         load = worker_load(sched)
         if not changed and not due and load == self._load:
             return None

@@ -7,9 +7,9 @@ chosen by the policy (`policies.py`) from, per worker:
   gateway's overlay of prompts it routed there that have not produced output yet (their blocks are
   being computed: without it, the second request of a new prefix, sent before the first one's
   prefill ended, would look like a miss everywhere);
-- its load: the last `WorkerLoad` it reported (with every KvEvents message, at least once a second and
-  up to ten times while it changes), plus what this gateway routed to it since, so a burst counts at
-  once.
+- its load: the last `WorkerLoad` it reported (with every KvEvents message: after each step that
+  changed it, at least once a second), plus what this gateway routed to it since, so a burst counts
+  at once.
 A worker past its admission bound (`max_queued`) gets nothing while another one is below its own.
 With policy `shared`, or before any worker is known, the request goes to the shared lane, where any
 scheduler takes it."""
@@ -52,6 +52,7 @@ class Route:
     new_tokens: int = 0  # prompt tokens it computes
     blocks: list[int] = field(default_factory=list)  # in the overlay until released
     released: bool = False
+    counted: Any = None  # the worker's _Load that counts it as routed since its report
 
 
 @dataclass
@@ -135,14 +136,20 @@ class Router:
         for h in blocks:
             into = self._pending.setdefault(h, {})
             into[best.worker] = into.get(best.worker, 0) + 1
-        return self._decided(Route(best.worker, outcome, best.overlap, best.new_tokens, blocks))
+        return self._decided(Route(best.worker, outcome, best.overlap, best.new_tokens, blocks, counted=load))
 
     def release(self, route: Route, grace: float = RELEASE_GRACE_S) -> None:
-        """The routed prompt is computed (its first output came) or it ended: its blocks leave the
-        overlay after `grace` seconds (the index has them by then, if its worker kept them)."""
+        """The routed prompt is computed (its first output came) or it ended: it no longer counts as
+        routed since its worker's last report (a later report counts it as running, if it still
+        runs), and its blocks leave the overlay after `grace` seconds (the index has them by then, if
+        its worker kept them)."""
         if route.released or route.worker is None:
             return
         route.released = True
+        load = route.counted
+        if load is not None and load is self._loads.get(route.worker):  # no report since: uncount it
+            load.routed -= 1
+            load.routed_tokens -= route.new_tokens
         if grace > 0:
             asyncio.get_running_loop().call_later(grace, self._unpend, route)
         else:
