@@ -165,6 +165,19 @@ class KvEvents(msgspec.Struct, kw_only=True, omit_defaults=True):
     load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
 
 
+class RouteNote(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A gateway routed a prompt to a worker (or, `released`, that prompt has been computed or ended),
+    for the other gateways' routers: until the worker's KvEvents show its blocks, every gateway
+    counts them as on their way there, and the request in that worker's load."""
+
+    gateway: str
+    id: int
+    worker: str = ""
+    blocks: list[int] = []
+    new_tokens: int = 0
+    released: bool = False
+
+
 class KvSnapshot(msgspec.Struct, kw_only=True):
     """Every block a scheduler's prefix cache holds, as of its KvEvents message `seq`."""
 

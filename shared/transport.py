@@ -71,6 +71,11 @@ class Subjects:
         """The schedulers' work queue: the shared lane, or `<req>.<worker>` for one worker."""
         return f"{self.prefix}.req"
 
+    @property
+    def route_notes(self) -> str:
+        """Gateways tell each other where they routed what (`RouteNote`)."""
+        return f"{self.prefix}.route"
+
     def kv_events(self, worker: str) -> str:
         """A scheduler's prefix-cache events (stored / removed blocks) and load, once per step."""
         return f"{self.prefix}.kv.{worker}"

@@ -57,7 +57,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.served_model_name, self.scheduler_reports, self.peer_metrics)
         self.requests.metrics = self.metrics
         self.router = Router(cfg.router_policy, transport, self.subjects, self.live_workers,
-                             cfg.router_balance_weight)  # fmt: skip
+                             cfg.router_balance_weight, self.requests.out_subject)  # fmt: skip
         self.router.on_route = lambda r: self.metrics.routed(cfg.router_policy, r.outcome, r.worker)
         self.requests.router = self.router
         self._gone: set[str] = set()  # workers dead past worker_recovery_timeout, forgotten by the router

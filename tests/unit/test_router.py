@@ -3,6 +3,7 @@ load (KvEvents, as schedulers send them), requests of a multi-tenant shared-pref
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import msgspec
@@ -134,3 +135,27 @@ async def test_a_pinned_request_goes_to_its_worker_when_it_is_live() -> None:
     assert router.route(prompt, pin="1").worker == "1"
     assert router.route(prompt, pin="7").worker == "0"  # not live: the policy decides
     assert make_router(["0", "1"], "shared").route(prompt, pin="1").worker == "1"
+
+
+async def test_gateways_share_what_they_routed_so_a_burst_through_both_keeps_groups_whole() -> None:
+    workers = ["0", "1", "2", "3"]
+    bus = InProcessTransport()
+    a = Router("cache_aware", bus, Subjects(), lambda: workers, name="a")
+    b = Router("cache_aware", bus, Subjects(), lambda: workers, name="b")
+    await a.start()
+    await b.start()
+    where: dict[int, set[str]] = {}
+    routes = []
+    for i, (g, prompt) in enumerate(workload(8, 6)):  # nothing computed yet: a burst
+        route = (a if i % 2 else b).route(prompt)
+        routes.append((i % 2, route))
+        where.setdefault(g, set()).add(route.worker)
+        await asyncio.sleep(0.001)  # the note reaches the other gateway
+    assert all(len(w) == 1 for w in where.values()), where
+    assert sorted(len([g for g, w in where.items() if w == {x}]) for x in workers) == [2, 2, 2, 2]
+    # both count every routed request in the workers' load, until each one's release
+    assert a._load("0").routed == b._load("0").routed == 12
+    for side, route in routes:
+        (a if side else b).release(route, grace=0)
+    await asyncio.sleep(0.01)
+    assert a._load("0").routed == b._load("0").routed == 0

@@ -8,8 +8,12 @@ chosen by the policy (`policies.py`) from, per worker:
   being computed: without it, the second request of a new prefix, sent before the first one's
   prefill ended, would look like a miss everywhere);
 - its load: the last `WorkerLoad` it reported (with every KvEvents message: after each step that
-  changed it, at least once a second), plus what this gateway routed to it since, so a burst counts
-  at once.
+  changed it, at least once a second), plus what was routed to it since and has no output yet, so a
+  burst counts at once.
+Every gateway tells the others what it routed (`RouteNote` on `<prefix>.route`: the worker, the
+prompt's blocks, and later that its output came): the overlay and the routed-since counts are then
+the same in every gateway, not each gateway's own share (a note of a gateway that died expires after
+FOREIGN_TTL_S).
 A worker past its admission bound (`max_queued`) gets nothing while another one is below its own.
 With policy `shared`, or before any worker is known, the request goes to the shared lane, where any
 scheduler takes it."""
@@ -17,7 +21,9 @@ scheduler takes it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -28,7 +34,7 @@ import msgspec
 from services.gateway.router.kv_index import KvIndex
 from services.gateway.router.policies import Candidate, make_policy
 from shared.kv_blocks import BLOCK_TOKENS, block_hashes
-from shared.messages import Decoder, KvEvents, KvSnapshot, WorkerLoad
+from shared.messages import Decoder, KvEvents, KvSnapshot, RouteNote, WorkerLoad, encode
 from shared.transport import Message, Subjects, Subscription, Transport
 
 log = logging.getLogger(__name__)
@@ -37,6 +43,8 @@ SNAPSHOT_TIMEOUT_S = 5.0
 # a routed prompt's blocks stay in the overlay this long after its first output (by then the
 # worker's KvEvents with those blocks have arrived: they leave the scheduler before its output does)
 RELEASE_GRACE_S = 1.0
+# another gateway's routed prompt counts this long at most (that gateway may have died before its release)
+FOREIGN_TTL_S = 60.0
 OUTCOMES = ("hit", "miss", "imbalance", "shared")
 
 
@@ -53,6 +61,8 @@ class Route:
     blocks: list[int] = field(default_factory=list)  # in the overlay until released
     released: bool = False
     counted: Any = None  # the worker's _Load that counts it as routed since its report
+    id: int = 0  # this gateway's number for it, in its RouteNotes
+    noted: float = 0.0  # when another gateway's note brought it
 
 
 @dataclass
@@ -82,15 +92,22 @@ class _Load:
 
 
 class Router:
-    def __init__(self, policy: str, transport: Transport, subjects: Subjects,
-                 live: Callable[[], list[str]], balance_weight: float = 32.0) -> None:  # fmt: skip
-        """`live`: the workers that can serve now (live scheduler and detokenizer)."""
+    def __init__(self, policy: str, transport: Transport, subjects: Subjects, live: Callable[[], list[str]],
+                 balance_weight: float = 32.0, name: str = "") -> None:  # fmt: skip
+        """`live`: the workers that can serve now (live scheduler and detokenizer); `name`: this
+        gateway's, in its RouteNotes."""
         self.policy_name = policy
         self.policy = None if policy == "shared" else make_policy(policy, balance_weight)
-        self.transport, self.subjects, self.live = transport, subjects, live
+        self.transport, self.subjects, self.live, self.name = transport, subjects, live, name
         self.index = KvIndex()
         self._loads: dict[str, _Load] = {}
         self._pending: dict[int, dict[str, int]] = {}  # overlay: block -> {worker: routed prompts}
+        self._pending_blocks: Counter[str] = Counter()  # worker -> blocks the overlay has for it
+        self._ids = itertools.count(1)
+        self._foreign: dict[tuple[str, int], Route] = {}  # other gateways' routes not released yet
+        self._purged = time.monotonic()
+        self._note_dec = Decoder(RouteNote)
+        self._note_sub: Subscription | None = None
         self.decisions: Counter[str] = Counter()
         self.per_worker: Counter[str] = Counter()
         self._events_dec, self._snap_dec = Decoder(KvEvents), Decoder(KvSnapshot)
@@ -100,10 +117,12 @@ class Router:
 
     async def start(self) -> None:
         self._sub = await self.transport.subscribe(self.subjects.kv_events("*"), self._on_events)
+        self._note_sub = await self.transport.subscribe(self.subjects.route_notes, self._on_note)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        for sub in (self._sub, self._note_sub):
+            if sub is not None:
+                await sub.unsubscribe()
         for task in self._syncing.values():
             task.cancel()
 
@@ -122,21 +141,42 @@ class Router:
             load = self._load(w)
             overlap = min(held[w] * BLOCK_TOKENS, len(prompt) - 1)  # the last token is always computed
             queued = load.report.waiting_tokens + load.routed_tokens
-            cands.append(
-                Candidate(w, overlap, len(prompt) - overlap, queued, load.requests, self.index.size(w))
-            )
+            cached = self.index.size(w) + self._pending_blocks[w]
+            cands.append(Candidate(w, overlap, len(prompt) - overlap, queued, load.requests, cached))
         open_ = [c for c in cands if not self._load(c.worker).full] or cands
         key = blocks[0] if blocks else hash(tuple(prompt))
         best = open_[0] if len(open_) == 1 or self.policy is None else self.policy(open_, key)
         most = max(c.overlap for c in cands)
         outcome = "miss" if most == 0 else "hit" if best.overlap == most else "imbalance"
-        load = self._load(best.worker)
+        route = Route(best.worker, outcome, best.overlap, best.new_tokens, blocks, id=next(self._ids))
+        self._hold(route)
+        self._tell(RouteNote(gateway=self.name, id=route.id, worker=route.worker or "", blocks=blocks,
+                             new_tokens=route.new_tokens))  # fmt: skip
+        return self._decided(route)
+
+    def _hold(self, route: Route) -> None:
+        """Count a routed prompt: in its worker's load until the worker's next report, its blocks in
+        the overlay until released."""
+        assert route.worker is not None
+        load = route.counted = self._load(route.worker)
         load.routed += 1
-        load.routed_tokens += best.new_tokens
-        for h in blocks:
+        load.routed_tokens += route.new_tokens
+        for h in route.blocks:
             into = self._pending.setdefault(h, {})
-            into[best.worker] = into.get(best.worker, 0) + 1
-        return self._decided(Route(best.worker, outcome, best.overlap, best.new_tokens, blocks, counted=load))
+            if route.worker not in into:
+                self._pending_blocks[route.worker] += 1
+            into[route.worker] = into.get(route.worker, 0) + 1
+
+    def _tell(self, note: RouteNote) -> None:
+        """Publish a note for the other gateways (in order: the tasks run as created)."""
+        if self.name:
+            asyncio.get_running_loop().create_task(self._publish(note))
+
+    async def _publish(self, note: RouteNote) -> None:
+        try:
+            await self.transport.publish(self.subjects.route_notes, encode(note))
+        except Exception as e:  # the bus is down: the others miss one note (their picture, not ours)
+            log.debug("route note not sent: %s", e)
 
     def release(self, route: Route, grace: float = RELEASE_GRACE_S) -> None:
         """The routed prompt is computed (its first output came) or it ended: it no longer counts as
@@ -145,6 +185,11 @@ class Router:
         its worker kept them)."""
         if route.released or route.worker is None:
             return
+        self._let_go(route, grace)
+        if route.id:
+            self._tell(RouteNote(gateway=self.name, id=route.id, released=True))
+
+    def _let_go(self, route: Route, grace: float) -> None:
         route.released = True
         load = route.counted
         if load is not None and load is self._loads.get(route.worker):  # no report since: uncount it
@@ -156,6 +201,7 @@ class Router:
             self._unpend(route)
 
     def _unpend(self, route: Route) -> None:
+        assert route.worker is not None
         for h in route.blocks:
             into = self._pending.get(h)
             if into is None or route.worker not in into:
@@ -163,8 +209,32 @@ class Router:
             into[route.worker] -= 1
             if not into[route.worker]:
                 del into[route.worker]
+                self._pending_blocks[route.worker] -= 1
                 if not into:
                     del self._pending[h]
+
+    async def _on_note(self, m: Message) -> None:
+        """Another gateway's routing decision, or its release, counted as if it were ours."""
+        try:
+            note = self._note_dec(m.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("ignoring a message on %s that is not a RouteNote: %s", m.subject, e)
+            return
+        if note.gateway == self.name:
+            return
+        key, now = (note.gateway, note.id), time.monotonic()
+        if note.released:
+            route = self._foreign.pop(key, None)
+            if route is not None:
+                self._let_go(route, RELEASE_GRACE_S)
+        elif note.worker and key not in self._foreign:
+            route = Route(note.worker, "noted", 0, note.new_tokens, note.blocks, noted=now)
+            self._foreign[key] = route
+            self._hold(route)
+        if now - self._purged > FOREIGN_TTL_S / 10:  # notes whose release never came
+            self._purged = now
+            for key in [k for k, r in self._foreign.items() if now - r.noted > FOREIGN_TTL_S]:
+                self._let_go(self._foreign.pop(key), 0)
 
     def _decided(self, route: Route) -> Route:
         self.decisions[route.outcome] += 1
