@@ -1,21 +1,22 @@
 """Router policies by name (`--router-policy`). Each picks one of the candidate workers for a request;
 the router has left out the workers past their admission bound (unless all are) and scored the rest.
 
-- `cache_aware`: the fewest prefill tokens to wait for: the tokens of the prompt the worker would
-  compute (its length less the leading blocks the worker holds) plus a quarter of the prefill tokens
-  queued there (QUEUE_WEIGHT), plus `balance_weight` tokens per request it runs or queues. Affinity
-  holds while what it saves exceeds the imbalance it adds, and no longer (unlike a fixed
-  `balance_*_threshold` that drops affinity altogether).
-- `least_load`: the same without the cache: queued prefill tokens plus the request term.
+- `cache_aware`: affinity first, load when it outweighs affinity. The worker holding most of the
+  prompt (whole blocks, shared/kv_blocks.py) is chosen unless another one is cheaper by more than
+  NEAR_REQUESTS requests' weight, where a worker's cost is the prefill tokens to wait for: the tokens
+  of the prompt it would compute (its length less the leading blocks it holds), plus a quarter of the
+  prefill tokens queued there (QUEUE_WEIGHT), plus `balance_weight` tokens per request it runs or
+  queues. Affinity holds while what it saves exceeds the imbalance it adds, and no longer (unlike a
+  fixed `balance_*_threshold` that drops affinity altogether). Among several workers that hold as
+  much (a new prefix: none holds any), or several near the cheapest, it spreads by consistent hashing
+  with bounded loads: the rendezvous hash of the prompt's first block picks among those with no more
+  than BOUND times the mean requests, and of those no more than the mean cached blocks. Gateways that decide at the same moment (a
+  burst through several of them, each seeing its own requests first) mostly agree, so a new prefix
+  goes to one worker, not one per gateway; and new prefixes go to the emptier caches.
+- `least_load`: the cost without the cache: queued prefill tokens plus the request term.
 - `round_robin`, `random`: for comparison.
 - `shared` (not here): no worker is chosen; any scheduler takes the request off the shared lane of
-  the work queue (the design before the router).
-
-Ties (for cache_aware: costs within NEAR_REQUESTS requests' weight of the lowest) go to the worker
-holding most of the prompt, then to the one whose cache holds the fewest blocks (as SGLang's router
-sends a miss to its smallest tree: there only when load is balanced, here only on a near-equal cost),
-then to the one that rendezvous-hashes highest with the prompt's first block: gateways that see the
-same index and nearly the same loads send a new prefix to the same worker."""
+  the work queue (the design before the router)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Candidate:
     new_tokens: int  # prompt tokens it would compute
     queue_tokens: int  # prefill tokens queued there (its last report plus what was routed since)
     requests: int  # requests it runs or queues (likewise)
-    cached: int = 0  # blocks its prefix cache holds (the index's count)
+    cached: int = 0  # blocks its prefix cache holds (the index's count: the same in every gateway)
 
 
 Policy = Callable[[list[Candidate], int], Candidate]
@@ -42,36 +43,47 @@ NEAR_REQUESTS = 2
 # cache_aware: what a queued prefill token weighs against one this request would compute. Below 1: a
 # request that leaves its prefix's worker because of a queue makes the system compute that prefix
 # again (and a burst's queues are uneven for a moment only). A burst of 512 requests of 32 groups on 4
-# workers (`python -m benchmarks.route_latency --simulate-burst`, seeds 0-4) put 7-13 groups on two
-# workers with 1.0, 2-4 with 0.5, 0-2 with 0.25
+# workers (`python -m benchmarks.route_latency --simulate-burst`, seeds 0-4) put 9-13 groups on two
+# workers with 1.0, 2-5 with 0.5, 2-4 with 0.25
 QUEUE_WEIGHT = 0.25
+# cache_aware spreads a new prefix over the workers with at most this much of the mean load
+BOUND = 1.25
 
 
 def rendezvous(key: int, worker: str) -> int:
     return hash((key, zlib.crc32(worker.encode())))
 
 
-def _lowest(cands: list[Candidate], key: int, cost: Callable[[Candidate], float], near: float) -> Candidate:
-    """The cheapest candidate; among those within `near` of it, the one holding most of the prompt,
-    then the emptiest cache, then the rendezvous hash's pick. (`near`: gateways deciding at the same
-    moment see slightly different loads; a near tie settles alike in each of them.)"""
-    costs = {c.worker: cost(c) for c in cands}
-    bound = min(costs.values()) + near
-    return min((c for c in cands if costs[c.worker] <= bound),
-               key=lambda c: (-c.overlap, c.cached, -rendezvous(key, c.worker)))  # fmt: skip
+def _spread(cands: list[Candidate], pool: list[Candidate], key: int) -> Candidate:
+    """Consistent hashing with bounded loads: of `pool`, the rendezvous pick among the workers with no
+    more than BOUND times the mean requests (over every candidate) and, of those, no more than the
+    mean cached blocks (new prefixes go to the emptier caches)."""
+    n = len(cands)
+    light = [c for c in pool if c.requests <= BOUND * sum(c.requests for c in cands) / n + 1]
+    roomy = [c for c in light if c.cached <= sum(c.cached for c in cands) / n]
+    return max(roomy or light or pool, key=lambda c: rendezvous(key, c.worker))
 
 
 def cache_aware(balance_weight: float) -> Policy:
+    near = NEAR_REQUESTS * balance_weight
+
     def choose(cands: list[Candidate], key: int) -> Candidate:
-        cost = lambda c: c.new_tokens + QUEUE_WEIGHT * c.queue_tokens + balance_weight * c.requests
-        return _lowest(cands, key, cost, NEAR_REQUESTS * balance_weight)
+        costs = {c.worker: c.new_tokens + QUEUE_WEIGHT * c.queue_tokens + balance_weight * c.requests
+                 for c in cands}  # fmt: skip
+        most = max(c.overlap for c in cands)
+        pick = _spread(cands, [c for c in cands if c.overlap == most], key)
+        cheapest = min(costs.values())
+        if costs[pick.worker] <= cheapest + near:
+            return pick
+        return _spread(cands, [c for c in cands if costs[c.worker] <= cheapest + near], key)
 
     return choose
 
 
 def least_load(balance_weight: float) -> Policy:
     def choose(cands: list[Candidate], key: int) -> Candidate:
-        return _lowest(cands, key, lambda c: c.queue_tokens + balance_weight * c.requests, 0.0)
+        cost = lambda c: (c.queue_tokens + balance_weight * c.requests, -rendezvous(key, c.worker))
+        return min(cands, key=cost)
 
     return choose
 

@@ -102,7 +102,6 @@ class Router:
         self.index = KvIndex()
         self._loads: dict[str, _Load] = {}
         self._pending: dict[int, dict[str, int]] = {}  # overlay: block -> {worker: routed prompts}
-        self._pending_blocks: Counter[str] = Counter()  # worker -> blocks the overlay has for it
         self._ids = itertools.count(1)
         self._foreign: dict[tuple[str, int], Route] = {}  # other gateways' routes not released yet
         self._purged = time.monotonic()
@@ -141,8 +140,9 @@ class Router:
             load = self._load(w)
             overlap = min(held[w] * BLOCK_TOKENS, len(prompt) - 1)  # the last token is always computed
             queued = load.report.waiting_tokens + load.routed_tokens
-            cached = self.index.size(w) + self._pending_blocks[w]
-            cands.append(Candidate(w, overlap, len(prompt) - overlap, queued, load.requests, cached))
+            cands.append(
+                Candidate(w, overlap, len(prompt) - overlap, queued, load.requests, self.index.size(w))
+            )
         open_ = [c for c in cands if not self._load(c.worker).full] or cands
         key = blocks[0] if blocks else hash(tuple(prompt))
         best = open_[0] if len(open_) == 1 or self.policy is None else self.policy(open_, key)
@@ -163,8 +163,6 @@ class Router:
         load.routed_tokens += route.new_tokens
         for h in route.blocks:
             into = self._pending.setdefault(h, {})
-            if route.worker not in into:
-                self._pending_blocks[route.worker] += 1
             into[route.worker] = into.get(route.worker, 0) + 1
 
     def _tell(self, note: RouteNote) -> None:
@@ -209,7 +207,6 @@ class Router:
             into[route.worker] -= 1
             if not into[route.worker]:
                 del into[route.worker]
-                self._pending_blocks[route.worker] -= 1
                 if not into:
                     del self._pending[h]
 
