@@ -10,7 +10,7 @@ the router has left out the workers past their admission bound (unless all are) 
   fixed `balance_*_threshold` that drops affinity altogether). Among several workers that hold as
   much (a new prefix: none holds any), or several near the cheapest, it spreads by consistent hashing
   with bounded loads: the rendezvous hash of the prompt's first block picks among those with no more
-  than BOUND times the mean requests, and of those no more than the mean cached blocks. Gateways that decide at the same moment (a
+  than BOUND times the mean requests and cached blocks. Gateways that decide at the same moment (a
   burst through several of them, each seeing its own requests first) mostly agree, so a new prefix
   goes to one worker, not one per gateway; and new prefixes go to the emptier caches.
 - `least_load`: the cost without the cache: queued prefill tokens plus the request term.
@@ -46,7 +46,7 @@ NEAR_REQUESTS = 2
 # workers (`python -m benchmarks.route_latency --simulate-burst`, seeds 0-4) put 9-13 groups on two
 # workers with 1.0, 2-5 with 0.5, 2-4 with 0.25
 QUEUE_WEIGHT = 0.25
-# cache_aware spreads a new prefix over the workers with at most this much of the mean load
+# cache_aware spreads a new prefix over the workers with at most this much of the mean load and cache
 BOUND = 1.25
 
 
@@ -56,11 +56,13 @@ def rendezvous(key: int, worker: str) -> int:
 
 def _spread(cands: list[Candidate], pool: list[Candidate], key: int) -> Candidate:
     """Consistent hashing with bounded loads: of `pool`, the rendezvous pick among the workers with no
-    more than BOUND times the mean requests (over every candidate) and, of those, no more than the
-    mean cached blocks (new prefixes go to the emptier caches)."""
+    more than BOUND times the mean requests (over every candidate) and, of those, no more than BOUND
+    times the mean cached blocks (new prefixes avoid the fullest caches). A bound that only outliers
+    cross keeps gateways agreeing while their pictures lag each other a little; "the emptiest cache"
+    would flip between workers near the mean."""
     n = len(cands)
     light = [c for c in pool if c.requests <= BOUND * sum(c.requests for c in cands) / n + 1]
-    roomy = [c for c in light if c.cached <= sum(c.cached for c in cands) / n]
+    roomy = [c for c in light if c.cached <= BOUND * sum(c.cached for c in cands) / n]
     return max(roomy or light or pool, key=lambda c: rendezvous(key, c.worker))
 
 
