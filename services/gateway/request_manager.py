@@ -226,6 +226,8 @@ class RequestManager:
         for i, (members, msg) in enumerate(zip(states, msgs, strict=True)):
             pin = groups[i][0].dp_rank
             dispatch = Dispatch(msg, self._route(msg.input_ids, pin=None if pin is None else str(pin)))
+            if self.router is not None:
+                await self.router.announce(dispatch.route)
             for st in members:
                 self._states[st.rid] = st
                 st.published = time.perf_counter()
@@ -269,6 +271,8 @@ class RequestManager:
             seen = max((st.attempt for st in self._states.values() if st.dispatch is dispatch), default=1)
             msg = msgspec.structs.replace(dispatch.msg, attempt_base=seen + MAX_DELIVERIES)
             dispatch.msg, dispatch.route = msg, self._route(msg.input_ids, tuple(dead))
+            assert self.router is not None  # only a router's dispatches name a worker
+            await self.router.announce(dispatch.route)
             dispatch.reroutes += 1
             dispatch.receipt = await self.transport.publish_work(
                 self.subjects.req, encode(msg), dispatch.route.worker

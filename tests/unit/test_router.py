@@ -147,7 +147,9 @@ async def test_gateways_share_what_they_routed_so_a_burst_through_both_keeps_gro
     where: dict[int, set[str]] = {}
     routes = []
     for i, (g, prompt) in enumerate(workload(8, 6)):  # nothing computed yet: a burst
-        route = (a if i % 2 else b).route(prompt)
+        router = a if i % 2 else b
+        route = router.route(prompt)
+        await router.announce(route)
         routes.append((i % 2, route))
         where.setdefault(g, set()).add(route.worker)
         await asyncio.sleep(0.001)  # the note reaches the other gateway

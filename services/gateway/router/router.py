@@ -150,9 +150,15 @@ class Router:
         outcome = "miss" if most == 0 else "hit" if best.overlap == most else "imbalance"
         route = Route(best.worker, outcome, best.overlap, best.new_tokens, blocks, id=next(self._ids))
         self._hold(route)
-        self._tell(RouteNote(gateway=self.name, id=route.id, worker=route.worker or "", blocks=blocks,
-                             new_tokens=route.new_tokens))  # fmt: skip
         return self._decided(route)
+
+    async def announce(self, route: Route) -> None:
+        """Tell the other gateways where this prompt went (awaited right after `route`, before the
+        request is published: in a burst, a note left to a task of its own went out late)."""
+        if route.id and self.name:
+            note = RouteNote(gateway=self.name, id=route.id, worker=route.worker or "", blocks=route.blocks,
+                             new_tokens=route.new_tokens)  # fmt: skip
+            await self._publish(note)
 
     def _hold(self, route: Route) -> None:
         """Count a routed prompt: in its worker's load until the worker's next report, its blocks in
