@@ -148,6 +148,9 @@ class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_total: int = 0  # the KV pool's size
     max_running: int = 0  # the most requests it runs at once
     max_queued: int = 0  # its admission bound on queued requests (0: none)
+    # requests taken off its own lane of the work queue since this run started (first deliveries):
+    # a router counts those it knows were routed there and are not yet among them as on their way
+    received: int = 0
 
 
 class KvEvents(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -38,6 +38,7 @@ class KvEventStream:
         self._sent_at = 0.0
         self._load: WorkerLoad | None = None
         self._recent: OrderedDict[int, float] = OrderedDict()  # block of a recent prompt -> when
+        self.received = 0  # first deliveries taken off this worker's own lane (WorkerLoad.received)
 
     # -- the event loop: a request arrives -------------------------------------------------------
     def new_tokens(self, prompt: Sequence[int]) -> int:
@@ -64,7 +65,7 @@ class KvEventStream:
         now = time.monotonic()
         changed = bool(self.log.stored or self.log.removed or self.log.cleared)
         due = now - self._sent_at >= KEEPALIVE_S
-        load = worker_load(sched)
+        load = worker_load(sched, self.received)
         if not changed and not due and load == self._load:
             return None
         stored, removed, cleared = self.log.take()
@@ -82,11 +83,11 @@ class KvEventStream:
             pending = self.message(sched)
         blocks = sched.tree.all_blocks() if isinstance(sched.tree, RadixCache) else []
         snap = KvSnapshot(worker=self.worker, instance=self.instance, seq=self.seq, blocks=blocks,
-                          load=worker_load(sched))  # fmt: skip
+                          load=worker_load(sched, self.received))  # fmt: skip
         return pending, snap
 
 
-def worker_load(sched: Scheduler) -> WorkerLoad:
+def worker_load(sched: Scheduler, received: int = 0) -> WorkerLoad:
     held = [r for group in sched.held.values() for r in group]
     return WorkerLoad(
         running=len(sched.running),
@@ -96,4 +97,5 @@ def worker_load(sched: Scheduler) -> WorkerLoad:
         kv_total=sched.kv.size,
         max_running=sched.max_running,
         max_queued=sched.cfg.max_queued_requests or 0,
+        received=received,
     )

@@ -76,7 +76,8 @@ class SchedulerService:
         ack_wait = self.cfg.request_ack_wait
         # the shared lane (any scheduler takes each request) and this worker's own (a router chose it)
         self._subs.append(await self.transport.subscribe_work(s.req, "schedulers", self._on_req, ack_wait))
-        self._subs.append(await self.transport.subscribe_work(s.req, "schedulers", self._on_req, ack_wait,
+        own = functools.partial(self._on_req, routed=True)
+        self._subs.append(await self.transport.subscribe_work(s.req, "schedulers", own, ack_wait,
                                                               key=self.cfg.worker_id))  # fmt: skip
         self._subs.append(await self.transport.subscribe(s.abort, self._on_abort))
         self._subs.append(await self.transport.subscribe(s.ctl("heartbeat"), self._on_heartbeat))
@@ -139,8 +140,11 @@ class SchedulerService:
         return fut
 
     # -- bus handlers (event loop) ------------------------------------------------------------
-    async def _on_req(self, m: Message) -> None:
+    async def _on_req(self, m: Message, routed: bool = False) -> None:
+        """`routed`: it came on this worker's own lane (a router chose this worker)."""
         work = m.work or Work("")
+        if routed and work.deliveries == 1 and self.kv_events is not None:
+            self.kv_events.received += 1  # the routers stop counting it as on its way
         try:
             msg = self._req_dec(m.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:  # nobody to answer: drop it

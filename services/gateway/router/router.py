@@ -8,8 +8,9 @@ chosen by the policy (`policies.py`) from, per worker:
   being computed: without it, the second request of a new prefix, sent before the first one's
   prefill ended, would look like a miss everywhere);
 - its load: the last `WorkerLoad` it reported (with every KvEvents message: after each step that
-  changed it, at least once a second), plus what was routed to it since and has no output yet, so a
-  burst counts at once.
+  changed it, at least once a second), plus the requests routed to it that it had not taken off its
+  lane yet by that report (`WorkerLoad.received`), so a burst counts at once and a report sent
+  mid-burst does not make a busy worker look idle.
 Every gateway tells the others what it routed (`RouteNote` on `<prefix>.route`: the worker, the
 prompt's blocks, and later that its output came): the overlay and the routed-since counts are then
 the same in every gateway, not each gateway's own share (a note of a gateway that died expires after
@@ -24,7 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ SNAPSHOT_TIMEOUT_S = 5.0
 RELEASE_GRACE_S = 1.0
 # another gateway's routed prompt counts this long at most (that gateway may have died before its release)
 FOREIGN_TTL_S = 60.0
+# a routed request no report has counted as arrived after this long no longer counts as on its way
+TRANSIT_TTL_S = 10.0
 OUTCOMES = ("hit", "miss", "imbalance", "shared")
 
 
@@ -60,7 +63,6 @@ class Route:
     new_tokens: int = 0  # prompt tokens it computes
     blocks: list[int] = field(default_factory=list)  # in the overlay until released
     released: bool = False
-    counted: Any = None  # the worker's _Load that counts it as routed since its report
     id: int = 0  # this gateway's number for it, in its RouteNotes
     noted: float = 0.0  # when another gateway's note brought it
 
@@ -78,17 +80,39 @@ class Dispatch:
 
 @dataclass
 class _Load:
+    """A worker's load as the router weighs it: its last report, plus the requests routed to it (by
+    any gateway: RouteNotes) that it had not taken off its lane yet (`WorkerLoad.received`)."""
+
     report: WorkerLoad
-    routed: int = 0  # requests routed here by this gateway since the report
-    routed_tokens: int = 0  # their prefill tokens
+    instance: str = ""  # the worker's run the report came from
+    transit: deque[tuple[float, int]] = field(default_factory=deque)  # (when routed, prefill tokens)
+    transit_tokens: int = 0
 
     @property
     def requests(self) -> int:
-        return self.report.running + self.report.waiting + self.routed
+        return self.report.running + self.report.waiting + len(self.transit)
 
     @property
     def full(self) -> bool:
-        return 0 < self.report.max_queued <= self.report.waiting + self.routed
+        return 0 < self.report.max_queued <= self.report.waiting + len(self.transit)
+
+    def add(self, tokens: int) -> None:
+        self.transit.append((time.monotonic(), tokens))
+        self.transit_tokens += tokens
+
+    def update(self, instance: str, report: WorkerLoad) -> None:
+        """A new report: the requests it says arrived since the last one are no longer on their way
+        (a run first seen counts from 0; a new run of a worker seen before drops what went to the one
+        before: the work queue delivers that again)."""
+        arrived = report.received - (self.report.received if instance == self.instance else 0)
+        if self.instance and instance != self.instance:
+            self.transit.clear()
+            self.transit_tokens = 0
+        self.instance, self.report = instance, report
+        stale = time.monotonic() - TRANSIT_TTL_S
+        while self.transit and (arrived > 0 or self.transit[0][0] < stale):
+            self.transit_tokens -= self.transit.popleft()[1]
+            arrived -= 1
 
 
 class Router:
@@ -139,7 +163,7 @@ class Router:
         for w in live:
             load = self._load(w)
             overlap = min(held[w] * BLOCK_TOKENS, len(prompt) - 1)  # the last token is always computed
-            queued = load.report.waiting_tokens + load.routed_tokens
+            queued = load.report.waiting_tokens + load.transit_tokens
             cands.append(
                 Candidate(w, overlap, len(prompt) - overlap, queued, load.requests, self.index.size(w))
             )
@@ -164,9 +188,7 @@ class Router:
         """Count a routed prompt: in its worker's load until the worker's next report, its blocks in
         the overlay until released."""
         assert route.worker is not None
-        load = route.counted = self._load(route.worker)
-        load.routed += 1
-        load.routed_tokens += route.new_tokens
+        self._load(route.worker).add(route.new_tokens)
         for h in route.blocks:
             into = self._pending.setdefault(h, {})
             into[route.worker] = into.get(route.worker, 0) + 1
@@ -183,10 +205,8 @@ class Router:
             log.debug("route note not sent: %s", e)
 
     def release(self, route: Route, grace: float = RELEASE_GRACE_S) -> None:
-        """The routed prompt is computed (its first output came) or it ended: it no longer counts as
-        routed since its worker's last report (a later report counts it as running, if it still
-        runs), and its blocks leave the overlay after `grace` seconds (the index has them by then, if
-        its worker kept them)."""
+        """The routed prompt is computed (its first output came) or it ended: its blocks leave the
+        overlay after `grace` seconds (the index has them by then, if its worker kept them)."""
         if route.released or route.worker is None:
             return
         self._let_go(route, grace)
@@ -195,10 +215,6 @@ class Router:
 
     def _let_go(self, route: Route, grace: float) -> None:
         route.released = True
-        load = route.counted
-        if load is not None and load is self._loads.get(route.worker):  # no report since: uncount it
-            load.routed -= 1
-            load.routed_tokens -= route.new_tokens
         if grace > 0:
             asyncio.get_running_loop().call_later(grace, self._unpend, route)
         else:
@@ -215,6 +231,12 @@ class Router:
                 del into[route.worker]
                 if not into:
                     del self._pending[h]
+
+    def _unpend_worker(self, worker: str) -> None:
+        for h in [h for h, into in self._pending.items() if worker in into]:
+            del self._pending[h][worker]
+            if not self._pending[h]:
+                del self._pending[h]
 
     async def _on_note(self, m: Message) -> None:
         """Another gateway's routing decision, or its release, counted as if it were ours."""
@@ -264,7 +286,9 @@ class Router:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("ignoring a message on %s that is not KvEvents: %s", m.subject, e)
             return
-        self._loads[ev.worker] = _Load(ev.load)  # a fresh report: what was routed before is in it
+        self._load(ev.worker).update(ev.instance, ev.load)
+        if ev.cleared:  # a flushed cache: nothing routed there before holds its blocks any more
+            self._unpend_worker(ev.worker)
         if self.index.on_events(ev) and ev.worker not in self._syncing:
             task = asyncio.get_running_loop().create_task(self._sync(ev.worker))
             self._syncing[ev.worker] = task
@@ -296,7 +320,7 @@ class Router:
                 "syncing": self.index.syncing(w),
                 "routed": self.per_worker[w],
                 "load": msgspec.to_builtins(load.report),
-                "routed_since_report": load.routed,
+                "on_the_way": len(load.transit),
             }
         return {
             "policy": self.policy_name,

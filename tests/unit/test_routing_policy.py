@@ -26,7 +26,7 @@ class Fleet:
         self.blocks: dict[str, set[int]] = {w: set() for w in workers}
 
     async def report(self, worker: str, stored=(), load: WorkerLoad | None = None) -> None:
-        self.seq[worker] += 1
+        self.seq[worker] += 1  # each Fleet is one run of its workers
         self.blocks[worker] |= set(stored)
         ev = KvEvents(worker=worker, instance="i", seq=self.seq[worker], stored=list(stored),
                       load=load or WorkerLoad())  # fmt: skip
@@ -155,9 +155,18 @@ async def test_gateways_share_what_they_routed_so_a_burst_through_both_keeps_gro
         await asyncio.sleep(0.001)  # the note reaches the other gateway
     assert all(len(w) == 1 for w in where.values()), where
     assert sorted(len([g for g, w in where.items() if w == {x}]) for x in workers) == [2, 2, 2, 2]
-    # both count every routed request in the workers' load, until each one's release
-    assert a._load("0").routed == b._load("0").routed == 12
-    for side, route in routes:
-        (a if side else b).release(route, grace=0)
-    await asyncio.sleep(0.01)
-    assert a._load("0").routed == b._load("0").routed == 0
+    # both count every routed request in the workers' load, until the worker says it took them
+    assert a._load("0").requests == b._load("0").requests == 12
+    for router in (a, b):
+        await Fleet(router, workers).report("0", load=WorkerLoad(waiting=12, received=12))
+        assert router._load("0").requests == 12 and not router._load("0").transit
+
+
+async def test_a_report_sent_mid_burst_keeps_what_is_still_on_its_way() -> None:
+    router = make_router(["0", "1"], "least_load")
+    prompts = [p for _, p in workload(14, 1)]
+    assert sorted(router.route(p).worker for p in prompts[:8]) == ["0"] * 4 + ["1"] * 4
+    # worker 0 took one of its four off its lane and runs it: three are still on their way
+    await Fleet(router, ["0", "1"]).report("0", load=WorkerLoad(running=1, received=1))
+    assert router._load("0").requests == 4
+    assert sorted(router.route(p).worker for p in prompts[8:]) == ["0"] * 3 + ["1"] * 3

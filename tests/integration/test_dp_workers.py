@@ -103,9 +103,15 @@ def healthy(client: httpx.Client) -> bool:
         return False
 
 
-def synced(router: dict[str, Any]) -> bool:
-    workers = router["workers"].values()
-    return len(workers) >= 2 and all(w["cached_blocks"] > 0 and not w["syncing"] for w in workers)
+def synced(info: dict[str, Any]) -> bool:
+    """The gateway sees both workers live, and its index holds both workers' blocks."""
+    workers = info["router"]["workers"].values()
+    live = [st for st in info["internal_states"] if st.get("detokenizer_alive")]
+    return (
+        len(live) >= 2
+        and len(workers) >= 2
+        and all(w["cached_blocks"] > 0 and not w["syncing"] for w in workers)
+    )
 
 
 rng = random.Random(5)
@@ -155,11 +161,12 @@ def test_a_gateway_that_joins_late_catches_up_from_snapshots(dep: Deployment) ->
     late = dep.gw(2)
     dep.wait_until(lambda: healthy(late))
     # its index comes from the workers' snapshots: both ran many steps before it started
-    dep.wait_until(lambda: synced(late.get("/get_server_info").json()["router"]))
+    dep.wait_until(lambda: synced(late.get("/get_server_info").json()))
     assert late.get("/get_server_info").json()["router"]["kv_snapshots"] >= 2
     for g in range(4):
         m = ask(late, g, 21)
-        assert m["worker_id"] == where[g] and m["cached_tokens"] >= SYSTEM_LEN - 16
+        router = late.get("/get_server_info").json()["router"]
+        assert m["worker_id"] == where[g] and m["cached_tokens"] >= SYSTEM_LEN - 16, (g, where, m, router)
 
 
 def test_data_parallel_rank_pins_a_worker(dep: Deployment) -> None:
