@@ -57,6 +57,7 @@ class Output:
     output_len: int = 0
     text: str = ""
     error: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)  # the last chunk's (worker_id, cached_tokens)
 
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
@@ -164,7 +165,7 @@ async def send(session: aiohttp.ClientSession, url: str, ids: list[int], n_out: 
                     out.error = str(obj["error"])
                     continue
                 now = time.perf_counter()
-                meta = obj.get("meta_info") or {}
+                meta = out.meta = obj.get("meta_info") or {}
                 n = meta.get("completion_tokens", len(obj.get("output_ids") or []))
                 if n > last_n:
                     if last_n == 0:
@@ -230,6 +231,11 @@ async def _warmup(base: str, workload: Workload) -> None:
         await warmup(client, base, workload)
 
 
+def warm_up(base: str, workload: Workload) -> None:
+    """`warmup` from a session of its own: two short prompts, then the cache flushed."""
+    asyncio.run(_warmup(base, workload))
+
+
 async def _send_all(
     args: argparse.Namespace, base: str, workload: Workload, start: float, index: int
 ) -> tuple[list[Output], float]:
@@ -271,10 +277,16 @@ def _client_process(
 
 
 def benchmark(args: argparse.Namespace, base: str, workload: Workload) -> tuple[list[Output], float]:
+    """`warm_up`, then `send_workload`."""
+    warm_up(base, workload)
+    return send_workload(args, base, workload)
+
+
+def send_workload(args: argparse.Namespace, base: str, workload: Workload) -> tuple[list[Output], float]:
     """All requests, from one client process or from --client-processes of them (each every n-th
     request, all released together once they have started); the outputs in workload order and the
-    duration from the start to the last output."""
-    asyncio.run(_warmup(base, workload))
+    duration from the start to the last output. Reads args.client_processes, max_concurrency,
+    request_rate, seed, extra_request_body and disable_tqdm."""
     n = args.client_processes
     if n == 1:
         start = time.perf_counter()
