@@ -144,6 +144,10 @@ def test_each_group_runs_on_one_worker_and_hits_its_cache(dep: Deployment) -> No
     assert {w for ws in by_group.values() for w in ws} == {"0", "1"}  # the groups spread
     router = dep.info()["router"]
     assert router["policy"] == "cache_aware" and router["decisions"]["hit"] >= 12
+    metrics = client.get("/metrics").text
+    hits = [line for line in metrics.splitlines()
+            if line.startswith("sglbus:router_requests_total{") and 'outcome="hit"' in line]  # fmt: skip
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in hits) >= 12, hits
     assert all(w["cached_blocks"] >= 2 * SYSTEM_LEN // 16 for w in router["workers"].values())
 
 
