@@ -13,6 +13,10 @@ Ctrl-C / SIGTERM stop the gateway first: it refuses new requests (503) and lets 
 for up to --shutdown-timeout seconds, ending the rest with an error that says so; then the scheduler
 and detokenizer, then NATS. A second Ctrl-C ends the drain at once.
 
+With --nats-cluster N (3, 5, ...) the embedded NATS is a cluster of N nodes on loopback, the work queue
+kept on 3 of them: any one node may die (it is restarted like the single one) and no accepted request is
+lost. With --nats-url, several comma-separated URLs name the nodes of your own cluster.
+
 The embedded NATS requires a token, generated at each start unless --nats-token is given, written to
 $SGLBUS_CACHE_DIR/nats-token (nats-token-<port> with a --nats-port other than 4222; readable by you
 only; removed at exit) for bus-API clients, and handed to the services
@@ -33,7 +37,8 @@ import tempfile
 from services.gateway.config import GatewayConfig
 from sglbus.supervisor import Child, Supervisor, die_with_parent
 from shared.config import EngineConfig, add_cli_args, cli_overrides, from_env
-from shared.nats_server import EmbeddedNats, PortInUse, port_in_use
+from shared.nats_cluster import ROUTE_PORT_OFFSET, NatsCluster
+from shared.nats_server import PortInUse, port_in_use
 from shared.service_main import (
     EXIT_CONFIG,
     ServiceExit,
@@ -46,6 +51,9 @@ from shared.service_main import (
 log = logging.getLogger("sglbus.serve")
 
 DEFAULT_NATS_PORT = 4222
+# the work queue of an embedded cluster on 3 nodes: it survives the loss of one; more copies would make
+# every publish wait for a wider quorum
+CLUSTER_REPLICAS = 3
 # a hung service is killed after this long without progress; generous: a CPU prefill of 2048 tokens of
 # the default model takes ~4 s on 2 idle cores, and a step of a bigger model on CPU may take far longer
 WATCHDOG_TIMEOUT_S = 60.0
@@ -81,8 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="use this NATS server instead of starting one (default: unset, an embedded NATS; "
                           "env SGLBUS_NATS_URL)")  # fmt: skip
     bus.add_argument("--nats-port", type=int, default=env("SGLBUS_NATS_PORT", str(DEFAULT_NATS_PORT)),
-                     help=f"port of the embedded NATS, on 127.0.0.1 (default: {DEFAULT_NATS_PORT}; "
-                          "env SGLBUS_NATS_PORT)")  # fmt: skip
+                     help=f"port of the embedded NATS, on 127.0.0.1; in a cluster, node i's client port is "
+                          f"this + i and its route port this + {ROUTE_PORT_OFFSET} + i "
+                          f"(default: {DEFAULT_NATS_PORT}; env SGLBUS_NATS_PORT)")  # fmt: skip
+    bus.add_argument("--nats-cluster", type=int, default=env("SGLBUS_NATS_CLUSTER", "1"),
+                     help="nodes of the embedded NATS: 1, or an odd number from 3 for a cluster that "
+                          f"survives the loss of a node (the work queue on {CLUSTER_REPLICAS} of them, or "
+                          "--nats-replicas) (default: 1; env SGLBUS_NATS_CLUSTER)")  # fmt: skip
     add_cli_args(p, EngineConfig)
     return p
 
@@ -110,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"port {gw.port} on {gw.host} is in use by another process; pick another with --port")
     if args.nats_url is None and args.nats_creds:
         return _fail("--nats-creds needs --nats-url: the embedded NATS takes a token or a user and password")
+    why = _bad_cluster(args)
+    if why:
+        return _fail(why)
 
     nats, credentials = None, _given_credentials(args)
     if args.nats_url is None:
@@ -122,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             return _fail(str(e), code=1)
         nats_url = nats.url
-        print(f"embedded NATS (JetStream on) at {nats_url} ({note})", flush=True)
+        what = "NATS" if args.nats_cluster == 1 else f"NATS cluster of {args.nats_cluster} nodes"
+        print(f"embedded {what} (JetStream on) at {nats_url} ({note})", flush=True)
     else:
         nats_url = args.nats_url
         print(f"using NATS at {nats_url}", flush=True)
 
     env = {k: v for k, v in os.environ.items() if k not in _CREDENTIALS and k != "SGLBUS_API_KEY"}
-    env.update(credentials, SGLBUS_LOG_LEVEL=args.log_level, PYTHONUNBUFFERED="1")
+    env.update(credentials, SGLBUS_LOG_LEVEL=args.log_level, PYTHONUNBUFFERED="1",
+               SGLBUS_NATS_REPLICAS=str(_replicas(args)))  # fmt: skip
     pick = lambda *names: {k: engine[k] for k in names if k in engine}
     common = pick("model_path", "tokenizer_path", "subject_prefix")
     bus = ["--nats-url", nats_url]
@@ -214,15 +232,35 @@ def _given_credentials(args: argparse.Namespace) -> dict[str, str]:
     return {k: v for k, v in given.items() if v}
 
 
-def _start_nats(args: argparse.Namespace) -> tuple[EmbeddedNats, dict[str, str], str]:
-    """The embedded NATS with credentials: the user and password given, else a token (given or new)."""
+def _bad_cluster(args: argparse.Namespace) -> str | None:
+    """Why --nats-cluster / --nats-replicas cannot work, or None."""
+    n = args.nats_cluster
+    if n != 1 and (n < 3 or n % 2 == 0):  # JetStream needs a majority: 2 nodes survive no loss
+        return f"--nats-cluster must be 1 or an odd number from 3, got {n}"
+    if n > 1 and args.nats_url is not None:
+        return "--nats-cluster starts an embedded cluster: leave out --nats-url (or --nats-cluster)"
+    if args.nats_url is None and _replicas(args) > n:
+        return f"--nats-replicas {args.nats_replicas} needs as many NATS nodes (--nats-cluster), got {n}"
+    return None
+
+
+def _replicas(args: argparse.Namespace) -> int:
+    """Nodes that keep each work-queue message: --nats-replicas, else 3 in an embedded cluster, else 1."""
+    if args.nats_replicas:
+        return args.nats_replicas
+    return min(CLUSTER_REPLICAS, args.nats_cluster) if args.nats_url is None else 1
+
+
+def _start_nats(args: argparse.Namespace) -> tuple[NatsCluster, dict[str, str], str]:
+    """The embedded NATS (one node, or a cluster) with credentials: the user and password given, else a
+    token (given or new)."""
+    nodes = {"size": args.nats_cluster, "port": args.nats_port, "preexec_fn": die_with_parent()}
     if args.nats_user or args.nats_password:
-        nats = EmbeddedNats(port=args.nats_port, user=args.nats_user, password=args.nats_password,
-                            preexec_fn=die_with_parent())  # fmt: skip
+        nats = NatsCluster(**nodes, user=args.nats_user, password=args.nats_password)
         env = {"SGLBUS_NATS_USER": args.nats_user, "SGLBUS_NATS_PASSWORD": args.nats_password}
         return nats.start(), env, f"bus clients: user {args.nats_user} and your password"
     token = args.nats_token or secrets.token_urlsafe(24)
-    nats = EmbeddedNats(port=args.nats_port, token=token, preexec_fn=die_with_parent()).start()
+    nats = NatsCluster(**nodes, token=token).start()
     path = _write_token_file(token, args.nats_port)
     return nats, {"SGLBUS_NATS_TOKEN": token}, f"bus clients: the token is in {path}"
 

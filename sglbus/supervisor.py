@@ -1,7 +1,7 @@
 """`sglbus serve`'s supervision of the processes it started: each service in its own session, restarted
 with backoff when it dies, killed (SIGKILL) and restarted when its watchdog beats say it hangs
 (shared/watchdog.py), and stopped in order: the gateways drain first, then the scheduler and
-detokenizer, then the embedded NATS."""
+detokenizer, then the embedded NATS (one node or a cluster: each node is restarted on its own)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+from shared.nats_cluster import NatsCluster
 from shared.nats_server import EmbeddedNats
 from shared.service_main import EXIT_CONFIG
 from shared.watchdog import ENV as WATCHDOG_ENV
@@ -129,11 +130,39 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
+class NatsNode:
+    """One embedded nats-server and its restart schedule: restarted on its port and store when it dies,
+    as a service is; in a cluster it rejoins the others by its routes."""
+
+    def __init__(self, server: EmbeddedNats) -> None:
+        self.server, self.backoff, self.up = server, Backoff(), True
+
+    def tend(self) -> None:
+        server = self.server
+        if self.up and (rc := server.exit_code()) is not None:
+            self.up = False
+            uptime, delay = self.backoff.down()
+            log.warning("nats-server exited (%s) after %.0f s; restarting it on port %d in %.0f s",
+                        describe_exit(rc), uptime, server.port, delay)  # fmt: skip
+        if not self.up and self.backoff.ready():
+            try:
+                server.restart()  # same port, store and credentials: clients reconnect by themselves
+            except RuntimeError as e:  # PortInUse included: someone took the port meanwhile
+                _, delay = self.backoff.down()
+                log.error(
+                    "nats-server did not restart: %s; next try in %.0f s", str(e).splitlines()[0], delay
+                )
+                return
+            self.up = True
+            self.backoff.up()
+            log.warning("nats-server restarted at %s", server.url)
+
+
 class Supervisor:
-    def __init__(self, children: list[Child], nats: EmbeddedNats | None, watchdog_timeout: float = 0.0,
+    def __init__(self, children: list[Child], nats: NatsCluster | None, watchdog_timeout: float = 0.0,
                  shutdown_timeout: float = 0.0) -> None:  # fmt: skip
         self.children, self.nats = children, nats
-        self.nats_backoff, self.nats_up = Backoff(), nats is not None
+        self.nats_nodes = [NatsNode(server) for server in nats.nodes] if nats is not None else []
         self.watchdog_timeout, self.shutdown_timeout = watchdog_timeout, shutdown_timeout
         self.signals = 0
         self.serving = False  # /health answered 200 once
@@ -169,7 +198,8 @@ class Supervisor:
         """Restart what died, when its backoff allows, and kill what hangs (the watchdog); EXIT_CONFIG
         once a child exits with it, 1 once a child died STARTUP_FAILURES times while `starting` (the
         server never answered /health yet)."""
-        self._tend_nats()
+        for node in self.nats_nodes:
+            node.tend()
         self._watch()
         for c in self.children:
             rc = None if c.proc is None else c.proc.poll()
@@ -207,28 +237,6 @@ class Supervisor:
                           c.name, c.proc.pid, why)  # fmt: skip
                 c.proc.kill()  # not waited for here: a process stuck in the kernel dies when it leaves it
                 c.unwatch()  # judged once; its exit is handled as any other
-
-    def _tend_nats(self) -> None:
-        nats = self.nats
-        if nats is None:
-            return
-        if self.nats_up and (rc := nats.exit_code()) is not None:
-            self.nats_up = False
-            uptime, delay = self.nats_backoff.down()
-            log.warning("nats-server exited (%s) after %.0f s; restarting it on port %d in %.0f s",
-                        describe_exit(rc), uptime, nats.port, delay)  # fmt: skip
-        if not self.nats_up and self.nats_backoff.ready():
-            try:
-                nats.restart()  # same port, store and credentials: clients reconnect by themselves
-            except RuntimeError as e:  # PortInUse included: someone took the port meanwhile
-                _, delay = self.nats_backoff.down()
-                log.error(
-                    "nats-server did not restart: %s; next try in %.0f s", str(e).splitlines()[0], delay
-                )
-                return
-            self.nats_up = True
-            self.nats_backoff.up()
-            log.warning("nats-server restarted at %s", nats.url)
 
     def shutdown(self) -> None:
         """Gateway first (it refuses new requests and drains those in flight for up to

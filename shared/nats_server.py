@@ -73,6 +73,7 @@ class EmbeddedNats:
     `port=None` takes a free port (tests); a given port that is taken raises PortInUse. With `token` (or
     `user` and `password`) clients must present it. The process runs in its own session, so a Ctrl-C in
     the terminal reaches only its parent, which stops it last; `preexec_fn` runs in the child before exec.
+    `extra_config` goes into its config file as it is (a cluster node's name and routes: NatsCluster).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class EmbeddedNats:
         user: str | None = None,
         password: str | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        extra_config: str = "",
     ) -> None:
         for name, value in (("token", token), ("user", user), ("password", password)):
             if value is not None and (not value or any(c in value for c in '"\\\n\r')):
@@ -92,7 +94,7 @@ class EmbeddedNats:
             raise ValueError("NATS user and password go together")
         self.host, self.port, self.start_timeout = host, port, start_timeout
         self.token, self.user, self.password = token, user, password
-        self.preexec_fn = preexec_fn
+        self.preexec_fn, self.extra_config = preexec_fn, extra_config
         self.proc: subprocess.Popen[bytes] | None = None
         self.dir: str | None = None
 
@@ -108,7 +110,7 @@ class EmbeddedNats:
             conf += f'authorization {{ token: "{self.token}" }}\n'
         elif self.user is not None:
             conf += f'authorization {{ user: "{self.user}", password: "{self.password}" }}\n'
-        return conf
+        return conf + self.extra_config
 
     def exit_code(self) -> int | None:
         """None while the server runs (or was never started); its return code once it died."""
@@ -164,6 +166,13 @@ class EmbeddedNats:
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no JetStream flush, no goodbye to clients or to the other nodes."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
             proc.kill()
             proc.wait()
 

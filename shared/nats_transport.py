@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,6 +61,7 @@ RECONNECT_BUFFER_BYTES = 64 << 20
 # and how long an undelivered message may wait for a worker before JetStream drops it.
 WORK_PUBLISH_TIMEOUT_S = 10.0
 WORK_MAX_AGE_S = 3600.0
+WORK_RETRY_S = 0.25  # between tries of a publish that JetStream refused for the moment
 _VERDICT_BYTES = {ACK: b"+ACK", PROGRESS: b"+WPI", NAK: b"-NAK", TERM: b"+TERM"}
 
 
@@ -111,8 +113,9 @@ class _NatsSubscription(Subscription):
 
 
 class NatsTransport(Transport):
-    def __init__(self, nc: Client, name: str) -> None:
+    def __init__(self, nc: Client, name: str, stream_replicas: int = 1) -> None:
         self.nc, self.name = nc, name
+        self.stream_replicas = stream_replicas  # NATS nodes that keep each work-queue message
         self.reconnects = 0  # times the connection came back after a loss; for health checks
         self._subs: set[_NatsSubscription] = set()
         self.js = nc.jetstream()
@@ -132,31 +135,34 @@ class NatsTransport(Transport):
 
     @classmethod
     async def connect(
-        cls, url: str, name: str, connect_timeout: float = 30.0, auth: BusAuth | None = None
+        cls,
+        url: str,
+        name: str,
+        connect_timeout: float = 30.0,
+        auth: BusAuth | None = None,
+        stream_replicas: int = 1,
     ) -> NatsTransport:
-        """`auth`: credentials for a NATS that requires them (a token, user/password or a .creds file);
-        a token or user:password in the URL works too."""
-        parts = urlsplit(url if "://" in url else f"nats://{url}")
-        host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+        """`url`: one server, or the nodes of a cluster comma-separated (the connection moves to a live
+        one when its node dies). `auth`: credentials for a NATS that requires them (a token,
+        user/password or a .creds file); a token or user:password in a URL works too. `stream_replicas`:
+        how many nodes keep each work-queue message (3 in a cluster of 3 or more: one may die)."""
+        servers = _server_urls(url)
+        if auth is None or not auth.connect_options():
+            auth = _url_auth(servers)  # as options, so nodes the cluster announces get them too
         deadline = time.monotonic() + connect_timeout
-        # nats-py on a closed port waits ~2 s and logs a traceback per try: wait for the port first.
-        while True:
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
-                writer.close()
-                break
-            except (OSError, TimeoutError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"NATS at {url} not reachable after {connect_timeout} s") from None
-                await asyncio.sleep(0.05)
+        # nats-py on a closed port waits ~2 s and logs a traceback per try: wait for a port first.
+        while not await _any_port_open(servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NATS at {url} not reachable after {connect_timeout} s")
+            await asyncio.sleep(0.05)
         nc = Client()
-        transport = cls(nc, name)
+        transport = cls(nc, name, stream_replicas)
         transport._refused = asyncio.get_running_loop().create_future()
         try:
             # With max_reconnect_attempts=-1 even the first connect retries forever: bound it, and
             # stop at once when the server refuses our credentials (retrying cannot help).
             connecting = nc.connect(
-                url,
+                servers,
                 name=name,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
@@ -210,6 +216,7 @@ class NatsTransport(Transport):
         cfg = StreamConfig(
             name=name, subjects=[subject, work_lane(subject, "*")], retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=WORK_MAX_AGE_S,
+            num_replicas=self.stream_replicas,
         )  # fmt: skip
         try:
             await self.js.add_stream(cfg)
@@ -224,7 +231,7 @@ class NatsTransport(Transport):
         cfg = ConsumerConfig(
             durable_name=durable, deliver_subject=_deliver_subject(lane), deliver_group=durable,
             filter_subject=lane, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=-1,
-            max_ack_pending=-1,
+            max_ack_pending=-1, num_replicas=self.stream_replicas,
         )  # fmt: skip
         try:
             await self.js.add_consumer(stream, cfg)
@@ -241,18 +248,32 @@ class NatsTransport(Transport):
                             work_lane(subject, key), e)  # fmt: skip
 
     async def publish_work(self, subject: str, data: bytes, key: str | None = None) -> int:
-        for attempt in range(2):
+        """Stored, or BusUnavailable once WORK_PUBLISH_TIMEOUT_S passed. Refusals that end by
+        themselves are tried again every WORK_RETRY_S: no responder for the stream (a cluster electing
+        its leader after a node died, a NATS restarting without its store: the stream is made again)
+        and JetStream's 503. Each try carries the same `Nats-Msg-Id`, so a try that was stored though
+        its answer was lost is not stored twice (JetStream's duplicate window)."""
+        deadline = time.monotonic() + WORK_PUBLISH_TIMEOUT_S
+        headers = {"Nats-Msg-Id": uuid.uuid4().hex}
+        while True:
             try:
                 await self._ensure_stream(subject)
-                ack = await self.js.publish(work_lane(subject, key), data, timeout=WORK_PUBLISH_TIMEOUT_S)
+                left = max(0.5, deadline - time.monotonic())
+                ack = await self.js.publish(work_lane(subject, key), data, timeout=left, headers=headers)
                 return ack.seq
-            except nats.js.errors.NoStreamResponseError:  # the stream went away (a NATS without its store)
+            except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError) as e:
+                self._streams.discard(subject)  # gone, or its leader is: ensure it again on the next try
+                why = f"no work queue for {subject} on NATS ({type(e).__name__})"
+            except nats.js.errors.APIError as e:
+                if e.code != 503:
+                    raise BusUnavailable(f"NATS did not store the message ({e})") from None
                 self._streams.discard(subject)
-                if attempt:
-                    raise BusUnavailable(f"no work queue for {subject} on NATS") from None
+                why = f"NATS did not store the message ({e})"
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as e:
                 raise BusUnavailable(f"NATS did not store the message ({type(e).__name__})") from None
-        raise AssertionError("unreachable")
+            if time.monotonic() + WORK_RETRY_S > deadline:
+                raise BusUnavailable(why)
+            await asyncio.sleep(WORK_RETRY_S)
 
     async def withdraw_work(self, subject: str, receipt: int) -> bool:
         if not receipt:
@@ -353,6 +374,38 @@ async def _first(connecting: Any, refused: asyncio.Future, timeout: float) -> No
     if refused in done:
         refused.result()  # raises the AuthorizationError
     raise TimeoutError
+
+
+def _server_urls(url: str) -> list[str]:
+    """`host:port,nats://host:port,...` -> one nats:// URL per server."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"no NATS server in {url!r}")
+    return [u if "://" in u else f"nats://{u}" for u in urls]
+
+
+def _url_auth(servers: list[str]) -> BusAuth | None:
+    """The token (`nats://token@host`) or user and password a URL carries; nats-py would send them
+    only to the servers listed with them, not to the other nodes of a cluster."""
+    for parts in map(urlsplit, servers):
+        if parts.username:
+            if parts.password is None:
+                return BusAuth(token=parts.username)
+            return BusAuth(user=parts.username, password=parts.password)
+    return None
+
+
+async def _any_port_open(servers: list[str]) -> bool:
+    """Whether any of the servers accepts a TCP connection (a cluster with a node down still does)."""
+    for parts in map(urlsplit, servers):
+        try:
+            conn = asyncio.open_connection(parts.hostname or "127.0.0.1", parts.port or 4222)
+            _, writer = await asyncio.wait_for(conn, 1.0)
+        except (OSError, TimeoutError):
+            continue
+        writer.close()
+        return True
+    return False
 
 
 def _durable(group: str, key: str | None) -> str:

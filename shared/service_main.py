@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from shared.gc_freeze import freeze_startup_objects
@@ -43,6 +44,26 @@ _CREDENTIALS = (
     ("password", "password for NATS"),
     ("creds", "path of a NATS .creds file (JWT + nkey seed)"),
 )
+# JetStream keeps a stream on at most 5 nodes
+MAX_NATS_REPLICAS = 5
+
+
+@dataclass(frozen=True)
+class BusOptions(BusAuth):
+    """What a service's bus options say beyond the URL: its credentials, and on how many NATS nodes
+    the work queue keeps each message (every service must say the same: each makes the stream so)."""
+
+    stream_replicas: int = 1
+
+
+def _replicas(raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_NATS_REPLICAS:  # also checks the environment's value
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a replica count from 1 to {MAX_NATS_REPLICAS}")
+    return n
 
 
 def add_bus_args(
@@ -58,12 +79,17 @@ def add_bus_args(
     for name, text in _CREDENTIALS:
         var, default = f"SGLBUS_NATS_{name.upper()}", token_default if name == "token" else "unset"
         g.add_argument(f"--nats-{name}", default=env(var), help=f"{text} (default: {default}; env {var})")
+    g.add_argument("--nats-replicas", type=_replicas, default=env("SGLBUS_NATS_REPLICAS"),
+                   help="NATS nodes that keep each message of the work queue: 3 on a cluster of 3 or more "
+                        "(any one node may die), the same for every service (default: 1; env "
+                        "SGLBUS_NATS_REPLICAS)")  # fmt: skip
     return g
 
 
-def bus_auth(args: argparse.Namespace) -> BusAuth:
-    return BusAuth(token=args.nats_token or None, user=args.nats_user or None,
-                   password=args.nats_password or None, creds=args.nats_creds or None)  # fmt: skip
+def bus_auth(args: argparse.Namespace) -> BusOptions:
+    return BusOptions(token=args.nats_token or None, user=args.nats_user or None,
+                      password=args.nats_password or None, creds=args.nats_creds or None,
+                      stream_replicas=args.nats_replicas or 1)  # fmt: skip
 
 
 def _log_level(raw: str) -> str:
@@ -128,9 +154,13 @@ class Service(Protocol):
     # `def stalled_for(self) -> float`, seconds its own work has gone without progress (the watchdog's)
 
 
-async def connect(nats_url: str, name: str, auth: BusAuth | None = None) -> NatsTransport:
+async def connect(nats_url: str, name: str, bus: BusOptions | None = None) -> NatsTransport:
+    """`nats_url`: one server or a cluster's nodes, comma-separated."""
+    replicas = bus.stream_replicas if bus else 1
     try:
-        return await NatsTransport.connect(nats_url, name=name, auth=auth)
+        return await NatsTransport.connect(nats_url, name=name, auth=bus, stream_replicas=replicas)
+    except ValueError as e:  # no server in the URL
+        raise ServiceExit(str(e)) from None
     except TimeoutError as e:  # NATS down: exit 1, a supervisor retries
         raise ServiceExit(f"{e}: is NATS running there?", exit_code=1) from None
     except PermissionError as e:  # wrong credentials: a restart cannot help
@@ -138,11 +168,11 @@ async def connect(nats_url: str, name: str, auth: BusAuth | None = None) -> Nats
 
 
 async def serve_on_bus(
-    name: str, nats_url: str, make_service: Callable[[Any], Service], auth: BusAuth | None = None
+    name: str, nats_url: str, make_service: Callable[[Any], Service], bus: BusOptions | None = None
 ) -> None:
     """Connect to NATS, build and start the service, run until SIGINT/SIGTERM, stop it, disconnect.
     Building the service loads the model: an error there is a configuration error, not a crash."""
-    transport = await connect(nats_url, name, auth)
+    transport = await connect(nats_url, name, bus)
     try:
         service = make_service(transport)
     except Exception as e:

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.nats_server import EmbeddedNats, free_port
+from shared.nats_cluster import NatsCluster
+from shared.nats_server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTUP_TIMEOUT_S = 120.0
@@ -35,17 +36,22 @@ SERVICES = ("scheduler", "detokenizer", "gateway")
 class ServerProcs:
     """NATS + scheduler + detokenizer + gateway, each a real process; `url` is the gateway's HTTP API.
     NATS requires a token, as under `sglbus serve`: the services get it in the environment; tests that
-    talk to NATS themselves pass `nats_token`."""
+    talk to NATS themselves pass `nats_token`. With `nats_nodes` > 1, NATS is a cluster (`cluster`) and
+    the services keep the work queue on up to 3 of its nodes."""
 
-    def __init__(self, env: dict[str, str] | None = None, scheduler_args: list[str] | None = None) -> None:
+    def __init__(
+        self, env: dict[str, str] | None = None, scheduler_args: list[str] | None = None, nats_nodes: int = 1
+    ) -> None:
         self.nats_token = secrets.token_urlsafe(16)
-        self.nats = EmbeddedNats(token=self.nats_token).start()
-        self.nats_url = self.nats.url
+        self.cluster = NatsCluster(nats_nodes, token=self.nats_token).start()
+        self.nats = self.cluster.nodes[0]  # the one server the single-server tests restart
+        self.nats_url = self.cluster.url
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.logdir = tempfile.mkdtemp(prefix="sglbus-it-")
         self.env = {**os.environ, "SGLBUS_LOG_LEVEL": "INFO", "PYTHONUNBUFFERED": "1",
-                    "SGLBUS_NATS_TOKEN": self.nats_token, **(env or {})}  # fmt: skip
+                    "SGLBUS_NATS_TOKEN": self.nats_token, "SGLBUS_NATS_REPLICAS": str(min(3, nats_nodes)),
+                    **(env or {})}  # fmt: skip
         self.scheduler_args = scheduler_args or []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.http = httpx.Client(base_url=self.url, timeout=120)
@@ -98,8 +104,7 @@ class ServerProcs:
 
     def tails(self) -> str:
         parts = [f"--- {n} (rc={p.poll()}) ---\n{self.tail(n)}" for n, p in self.procs.items()]
-        if self.nats.dir is not None:
-            parts.append(f"--- nats-server ---\n{self.nats.log_tail()}")
+        parts += [f"--- nats-server {n.url} ---\n{n.log_tail()}" for n in self.cluster.nodes if n.dir]
         return "\n".join(parts)
 
     # -- faults ---------------------------------------------------------------------------------
@@ -165,13 +170,15 @@ class ServerProcs:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self.nats.stop()
+        self.cluster.stop()
         # the logs go too: a failing start already put their tails into its error
         shutil.rmtree(self.logdir, ignore_errors=True)
 
 
-def start_server(env: dict[str, str] | None = None, scheduler_args: list[str] | None = None) -> ServerProcs:
-    s = ServerProcs(env, scheduler_args)
+def start_server(
+    env: dict[str, str] | None = None, scheduler_args: list[str] | None = None, nats_nodes: int = 1
+) -> ServerProcs:
+    s = ServerProcs(env, scheduler_args, nats_nodes)
     try:
         return s.start_all()
     except BaseException:

@@ -448,6 +448,22 @@ def test_a_bad_gateway_count_is_one_line_and_exit_2() -> None:
     assert "embedded NATS" not in r.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--nats-cluster", "2"], "--nats-cluster must be 1 or an odd number from 3"),
+        (["--nats-cluster", "3", "--nats-url", "nats://127.0.0.1:4222"], "leave out --nats-url"),
+        (["--nats-replicas", "3"], "--nats-replicas 3 needs as many NATS nodes"),
+    ],
+)
+def test_a_nats_cluster_that_cannot_work_is_one_line_and_exit_2(args: list[str], why: str) -> None:
+    r = run_serve(["--nats-port", str(free_port()), *args])
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0], r.stderr
+    assert "embedded NATS" not in r.stdout
+
+
 @pytest.mark.parametrize("service", SERVICES)
 def test_a_service_with_a_bad_model_path_is_one_line_and_exit_2(service: str) -> None:
     cmd = [sys.executable, "-m", f"services.{service}", "--model-path", "/nonexistent/model"]

@@ -140,6 +140,20 @@ def test_bus_credentials_come_from_the_environment(monkeypatch: pytest.MonkeyPat
     assert bus_auth(p.parse_args(["--nats-token", "other"])).token == "other"  # the flag wins
 
 
+def test_work_queue_replicas_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLBUS_NATS_REPLICAS", raising=False)
+    p = argparse.ArgumentParser()
+    add_bus_args(p)
+    assert bus_auth(p.parse_args([])).stream_replicas == 1
+    assert bus_auth(p.parse_args(["--nats-replicas", "3"])).stream_replicas == 3
+    with pytest.raises(SystemExit):  # JetStream keeps a stream on 1 to 5 nodes
+        p.parse_args(["--nats-replicas", "6"])
+    monkeypatch.setenv("SGLBUS_NATS_REPLICAS", "3")
+    p = argparse.ArgumentParser()
+    add_bus_args(p)
+    assert bus_auth(p.parse_args([])).stream_replicas == 3
+
+
 def test_log_level_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLBUS_LOG_LEVEL", "WARNING")  # compose and older setups use upper case
     p = argparse.ArgumentParser()

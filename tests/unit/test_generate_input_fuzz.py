@@ -113,6 +113,7 @@ REQ_VALUES: dict[str, st.SearchStrategy[Any]] = {
         ],
         st.booleans(),
     ),
+    "data_parallel_rank": ints | st.none(),
     # fields not honoured yet: their defaults (accepted) or anything (refused)
     **{k: st.just(v) | st.lists(st.just(v), max_size=2) for k, v in NOT_YET.items()},
 }
