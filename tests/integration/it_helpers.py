@@ -9,8 +9,15 @@ from typing import Any
 import httpx
 
 PROMPT = "The capital of France is"
-META_KEYS = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency",
-             "worker_id"}
+META_KEYS = {
+    "id",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "finish_reason",
+    "e2e_latency",
+    "worker_id",
+}
 VOCAB_SIZE = 49152
 CONTEXT_LEN = 8192
 
