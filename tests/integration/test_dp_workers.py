@@ -17,12 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import POOL_TOKENS, ServerProcs
+from conftest import ServerProcs
 
 from shared.nats_server import free_port
 
 pytestmark = pytest.mark.slow
 
+# each worker's KV pool: room for every test here (at most ~6k tokens on one worker), and small, since
+# three schedulers run beside the rest of the suite on a 24 GiB machine (16,384 tokens are 0.75 GB)
+DEP_POOL_TOKENS = 8192
 ACK_WAIT_S = 6  # a delivery its scheduler stopped keeping alive goes to the queue again after this
 # tokens of each group's shared system prompt (30 blocks): a hit saves far more than the load of the
 # few requests in flight here weighs (router_balance_weight: 32 tokens a request), so affinity holds
@@ -41,7 +44,7 @@ class Deployment(ServerProcs):
         kind, _, n = name.partition("-")
         bus = ["--nats-url", self.nats_url]
         args = {
-            "scheduler": [*bus, "--worker-id", n, "--max-total-tokens", str(POOL_TOKENS)],
+            "scheduler": [*bus, "--worker-id", n, "--max-total-tokens", str(DEP_POOL_TOKENS)],
             "detokenizer": [*bus, "--worker-id", n],
             "gateway": [*bus, "--host", "127.0.0.1", "--port", str(self.ports[int(n or 0)])],
         }[kind]
@@ -171,6 +174,7 @@ def test_a_gateway_that_joins_late_catches_up_from_snapshots(dep: Deployment) ->
         m = ask(late, g, 21)
         router = late.get("/get_server_info").json()["router"]
         assert m["worker_id"] == where[g] and m["cached_tokens"] >= SYSTEM_LEN - 16, (g, where, m, router)
+    dep.kill("gateway-2", signal.SIGTERM)  # done with it: the suite shares the machine's memory
 
 
 def test_data_parallel_rank_pins_a_worker(dep: Deployment) -> None:

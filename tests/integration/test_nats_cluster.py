@@ -161,7 +161,9 @@ def clustered() -> Iterator[ServerProcs]:
     # a lost ack or restart signal (its node died) is redelivered after ack_wait: short, to keep the test
     # short, yet over the few seconds a new leader takes (the gateway gives up on a request no scheduler
     # has known for twice this long)
-    s = start_server(env={"SGLBUS_REQUEST_ACK_WAIT": "10"}, nats_nodes=3)
+    # a small KV pool: the suite runs this beside other servers on a 24 GiB machine
+    s = start_server(env={"SGLBUS_REQUEST_ACK_WAIT": "10"}, scheduler_args=["--max-total-tokens", "4096"],
+                     nats_nodes=3)  # fmt: skip
     try:
         yield s
     finally:
