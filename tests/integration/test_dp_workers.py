@@ -90,8 +90,10 @@ class Deployment(ServerProcs):
 
 @pytest.fixture(scope="module")
 def dep() -> Iterator[Deployment]:
-    # a dead worker's requests move to a live one once its heartbeats stopped for worker_timeout (5 s)
-    env = {"SGLBUS_WORKER_RECOVERY_TIMEOUT": "3", "SGLBUS_REQUEST_ACK_WAIT": str(ACK_WAIT_S)}
+    # a dead worker's requests move to a live one once its heartbeats stopped for worker_timeout: 15 s,
+    # so that a worker whose beats come late on a loaded machine is not taken for dead meanwhile
+    env = {"SGLBUS_WORKER_TIMEOUT": "15", "SGLBUS_WORKER_RECOVERY_TIMEOUT": "3",
+           "SGLBUS_REQUEST_ACK_WAIT": str(ACK_WAIT_S)}  # fmt: skip
     d = Deployment(2, 2, env)
     try:
         yield d.start_all()
@@ -201,13 +203,17 @@ def test_a_killed_worker_loses_no_request_and_a_new_one_takes_work(dep: Deployme
     assert all(m["completion_tokens"] == 48 and m["finish_reason"]["type"] == "length" for m in metas)
     moved = [m for (_, g, _), m in zip(jobs, metas, strict=True) if where[g] == victim]
     assert moved and all(m["worker_id"] == "0" for m in moved)
-    # the killed worker comes back and a new one joins at run time (no gateway restarted); the
-    # requests taken back from the killed one's queue are not run there again (past ack_wait, the
-    # queue would have delivered them)
+    # the killed worker comes back (no gateway restarted); the requests taken back from its queue are
+    # not run there again (past ack_wait, the queue would have delivered them)
     dep.start_worker(1)
-    dep.start_worker(2)
-    dep.wait_until(lambda: {"1", "2"} <= set(dep.live_workers()))
+    dep.wait_until(lambda: "1" in dep.live_workers())
     time.sleep(ACK_WAIT_S + 2)
     assert dep.worker_stats("1")["prompt_tokens"] == 0
-    new = {ask(client, g, 40)["worker_id"] for g in range(8, 12)}  # new prefixes: the emptier caches
-    assert new & {"1", "2"}, new
+    # it leaves on purpose and a worker never seen before joins (two schedulers at most at a time: the
+    # suite's other servers share the machine's memory); new prefixes go to its empty cache
+    dep.kill("scheduler-1", signal.SIGTERM)
+    dep.kill("detokenizer-1", signal.SIGTERM)
+    dep.start_worker(2)
+    dep.wait_until(lambda: set(dep.live_workers()) == {"0", "2"})
+    new = {ask(client, g, 40)["worker_id"] for g in range(8, 12)}
+    assert "2" in new, new
