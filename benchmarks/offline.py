@@ -35,7 +35,8 @@ from shared.config import EngineConfig, add_cli_args, cli_overrides
 ENGINE_FLAGS = ("model_path", "load_format", "dtype", "device", "schedule_policy", "chunked_prefill_size",
                 "max_running_requests", "max_total_tokens", "mem_fraction_static", "disable_radix_cache",
                 "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
-                "disable_overlap_schedule", "enable_cascade_attention")  # fmt: skip
+                "disable_overlap_schedule", "enable_cascade_attention", "moe_runner_backend",
+                "context_length")  # fmt: skip
 
 
 @dataclass

@@ -72,11 +72,12 @@ def linear_floor(runner: ModelRunner, b: int) -> float:
     x = torch.randn(b, runner.model_config.hidden_size, dtype=runner.dtype, device=runner.device)
 
     def linears() -> None:
-        for layer in model.layers:
-            qkv = F.linear(x, layer.qkv_proj)
-            o = F.linear(qkv[:, : layer.q_size], layer.o_proj)
-            gu = F.linear(o, layer.gate_up_proj)
-            F.linear(gu[:, : gu.shape[1] // 2], layer.down_proj)
+        for layer in model.layers:  # dense layers (the Llama shapes this tool times)
+            attn, mlp = layer.attn, layer.mlp
+            qkv = F.linear(x, attn.qkv_proj)
+            o = F.linear(qkv[:, : attn.q_size], attn.o_proj)
+            gu = F.linear(o, mlp.gate_up_proj)
+            F.linear(gu[:, : gu.shape[1] // 2], mlp.down_proj)
         F.linear(x, model.lm_head)
 
     return cuda_time(graphed(linears))

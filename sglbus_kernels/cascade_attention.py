@@ -25,15 +25,13 @@ import triton.language as tl
 from sglbus_kernels.cascade_plan import CascadePlan
 from sglbus_kernels.dot_operands import dot_operands
 from sglbus_kernels.index_args import index_jit
-from sglbus_kernels.online_softmax import attend_keys
-
-_LOG2E = 1.4426950408889634
+from sglbus_kernels.online_softmax import attend_keys, score_scales
 
 
 @index_jit("members", "tile_first", "tile_count", "tile_len", "tile_row")
 def _shared_prefix_kernel(
     q, k_buf, v_buf, req_to_token, members, tile_first, tile_count, tile_len, tile_row,
-    part_o, part_lse, qk_scale,
+    part_o, part_lse, qk_scale, cap_scale,
     stride_qb, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -42,7 +40,7 @@ def _shared_prefix_kernel(
     stride_lb, stride_lh, stride_ls,
     PREFIX_SLOT: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,9 +63,9 @@ def _shared_prefix_kernel(
         other=0.0,
     ).to(DOT_DTYPE)
     o, lse = attend_keys(
-        q_tile, k_buf, v_buf, req_to_token, row, 0, prefix, kv_head, d, d_ok, qk_scale,
+        q_tile, k_buf, v_buf, req_to_token, row, 0, prefix, kv_head, d, d_ok, qk_scale, cap_scale,
         stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_rr, stride_rt,
-        BLOCK_R * GROUP_P, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+        BLOCK_R * GROUP_P, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION, SOFTCAP,
     )  # fmt: skip
     o_ptr = part_o + b[:, None] * stride_pb + heads[:, None] * stride_ph + PREFIX_SLOT * stride_ps
     tl.store(o_ptr + d[None, :] * stride_pd, o, mask=ok[:, None] & d_ok[None, :])
@@ -85,9 +83,10 @@ def shared_prefix_attention(
     part_lse: torch.Tensor,
     prefix_slot: int,
     sm_scale: float,
+    softcap: float = 0.0,
 ) -> None:
     """Each grouped request's attention over its shared prefix, into split slot `prefix_slot` of the
-    decode scratch (decode_attention calls this between its two stages)."""
+    decode scratch (decode_attention calls this between its two stages); softcap as decode_attention's."""
     if plan.num_tiles == 0:
         return
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -99,12 +98,13 @@ def shared_prefix_attention(
         raise ValueError(f"a tile of {plan.block_r} members x {group_p} heads is under 16 query rows")
     block_n = 16 if q.device.type == "cpu" else 64
     dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
+    qk_scale, cap_scale = score_scales(sm_scale, softcap)
     _shared_prefix_kernel[(plan.num_tiles, num_kv_heads)](
         q, k_buf, v_buf, req_to_token, plan.members, plan.tile_first, plan.tile_count, plan.tile_len,
-        plan.tile_row, part_o, part_lse, sm_scale * _LOG2E,
+        plan.tile_row, part_o, part_lse, qk_scale, cap_scale,
         *q.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),
         *part_o.stride(), *part_lse.stride(),
         PREFIX_SLOT=prefix_slot, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         BLOCK_R=plan.block_r, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=4, num_stages=2,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, SOFTCAP=softcap > 0, num_warps=4, num_stages=2,
     )  # fmt: skip

@@ -26,6 +26,10 @@ The grid depends only on B, H and S: no host synchronisation, safe to capture in
 Cascade (a CascadePlan, cascade_attention.py): a grouped request's splits cover only its own keys,
 kv_starts[b] .. seq_len-1; the shared prefix's partial lands in the scratch's last slot
 (shared_prefix_attention, between the two stages), and stage 2 folds it in where kv_starts[b] > 0.
+
+Sliding window: the splits cover only keys max(0, seq_len - window) .. seq_len-1, computed in both
+stages from seq_len (a runtime argument: one compiled variant, graph-safe), so keys before the window
+are never read. A shared prefix may reach outside the window, so a window excludes the cascade.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from sglbus_kernels.cascade_attention import shared_prefix_attention
 from sglbus_kernels.cascade_plan import CascadePlan
 from sglbus_kernels.dot_operands import dot_operands
 from sglbus_kernels.index_args import index_jit
-from sglbus_kernels.online_softmax import attend_keys
+from sglbus_kernels.online_softmax import attend_keys, score_scales
 
 # S, the number of key splits per request: enough programs to fill an H200's 132 SMs at batch 1-32
 DEFAULT_KV_SPLITS = 16
@@ -49,8 +53,6 @@ DEFAULT_KV_SPLITS = 16
 # steps 1.6-1.9% shorter on an H200 than 4 warps, 3 stages (docs/benchmarks.md, seventeenth session).
 # The interpreter takes 16-key tiles, so short test sequences span several.
 GPU_LAUNCH = {True: (64, 2, 2), False: (64, 4, 3)}
-
-_LOG2E = 1.4426950408889634
 
 
 @cache
@@ -65,9 +67,23 @@ def _num_splits(max_splits: int, batch: int, num_kv_heads: int, device: torch.de
     return 1 << (fill.bit_length() - 1)  # a power of two: few variants to compile (each at first use)
 
 
+@triton.jit
+def _key_range(seq_lens, kv_starts, b, window, USE_START: tl.constexpr, WINDOW: tl.constexpr):
+    """Request b's keys kv0 .. seq_len-1 that its splits cover: after its shared prefix (cascade) or
+    within its window; both stages derive the splits from this."""
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    kv0 = 0
+    if USE_START:
+        kv0 = tl.load(kv_starts + b).to(tl.int32)
+    if WINDOW:
+        kv0 = tl.maximum(seq_len - window, 0)
+    return seq_len, kv0
+
+
 @index_jit("req_pool_indices", "seq_lens", "kv_starts")
 def _decode_split_kernel(
-    q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, kv_starts, part_o, part_lse, out, qk_scale,
+    q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, kv_starts, part_o, part_lse, out,
+    qk_scale, cap_scale, window,
     stride_qb, stride_qh, stride_qd,
     stride_ob, stride_oh, stride_od,
     stride_ks, stride_kh, stride_kd,
@@ -78,6 +94,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_START: tl.constexpr, DIRECT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)  # the kv heads of one request in adjacent programs (see the grid)
     b = tl.program_id(1)
@@ -89,8 +106,7 @@ def _decode_split_kernel(
     # DIRECT (one split, no cascade): the output itself, else the split's partial and lse
     out_ptr = out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
 
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    kv0 = tl.load(kv_starts + b).to(tl.int32) if USE_START else 0
+    seq_len, kv0 = _key_range(seq_lens, kv_starts, b, window, USE_START, WINDOW)
     chunk = tl.cdiv(tl.cdiv(seq_len - kv0, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = kv0 + split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -102,9 +118,9 @@ def _decode_split_kernel(
             other=0.0,
         ).to(DOT_DTYPE)
         o, lse = attend_keys(
-            q_tile, k_buf, v_buf, req_to_token, row, start, end, kv_head, d, d_ok, qk_scale,
+            q_tile, k_buf, v_buf, req_to_token, row, start, end, kv_head, d, d_ok, qk_scale, cap_scale,
             stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_rr, stride_rt,
-            BLOCK_H, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+            BLOCK_H, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION, SOFTCAP,
         )  # fmt: skip
         if DIRECT:
             tl.store(out_ptr, o.to(out.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
@@ -120,18 +136,18 @@ def _decode_split_kernel(
 
 @index_jit("seq_lens", "kv_starts")
 def _decode_combine_kernel(
-    out, seq_lens, kv_starts, part_o, part_lse,
+    out, seq_lens, kv_starts, part_o, part_lse, window,
     stride_ob, stride_oh, stride_od,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_START: tl.constexpr, PREFIX_SLOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     head = tl.program_id(1)
 
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    kv0 = tl.load(kv_starts + b).to(tl.int32) if USE_START else 0
+    seq_len, kv0 = _key_range(seq_lens, kv_starts, b, window, USE_START, WINDOW)
     chunk = tl.cdiv(tl.cdiv(seq_len - kv0, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s = tl.arange(0, BLOCK_S)
     s_ok = (s < NUM_SPLITS) & (s * chunk < seq_len - kv0)
@@ -177,11 +193,23 @@ def decode_attention(
     scratch: tuple[torch.Tensor, torch.Tensor],
     sm_scale: float,
     cascade: CascadePlan | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """One query token per request: out[b] = softmax(q[b] K^T * sm_scale) V over keys 0..seq_lens[b]-1
     of row req_pool_indices[b]. Any strides; out may be q itself (stage 1 reads q before stage 2 writes).
     With a cascade plan, each grouped request's splits start at its shared prefix's end and the prefix
-    is attended once per tile of its group (cascade_attention.py); the combine merges both."""
+    is attended once per tile of its group (cascade_attention.py); the combine merges both.
+
+    window > 0 (sliding window): only keys seq_len - window .. seq_len-1, the query's own included (as
+    transformers' sliding mask); not with a cascade (ValueError), whose prefix may lie outside it.
+    softcap > 0 (Gemma 2): each score s = sm_scale * q.k becomes softcap * tanh(s / softcap); with a
+    cascade too."""
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window {window} and softcap {softcap} must be >= 0 (0: off)")
+    if window and cascade is not None:
+        raise ValueError("a sliding window excludes the cascade: its shared prefix may lie outside it")
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     part_o, part_lse = scratch
@@ -199,28 +227,29 @@ def decode_attention(
     block_n, warps, stages = (16, 4, 3) if q.device.type == "cpu" else GPU_LAUNCH[direct]
     dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
     starts = seq_lens if cascade is None else cascade.kv_starts  # (unread without a cascade)
+    qk_scale, cap_scale = score_scales(sm_scale, softcap)
     # kv heads first: a request's heads run side by side and read each slot's K (V) row together
     # (contiguous in the pool), 1-3.5% faster on an H200 than requests first
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, starts, part_o, part_lse, out,
-        sm_scale * _LOG2E,
+        qk_scale, cap_scale, window,
         *q.stride(), *out.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),
         *part_o.stride(), *part_lse.stride(),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, USE_START=cascade is not None, DIRECT=direct,
-        num_warps=warps, num_stages=stages,
+        WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if direct:
         return
     if cascade is not None:
         shared_prefix_attention(
-            q, k_buf, v_buf, req_to_token, cascade, part_o, part_lse, prefix_slot, sm_scale
+            q, k_buf, v_buf, req_to_token, cascade, part_o, part_lse, prefix_slot, sm_scale, softcap
         )
     slots = num_splits if cascade is None else prefix_slot + 1
     _decode_combine_kernel[(batch, num_heads)](
-        out, seq_lens, starts, part_o, part_lse, *out.stride(), *part_o.stride(), *part_lse.stride(),
+        out, seq_lens, starts, part_o, part_lse, window, *out.stride(), *part_o.stride(), *part_lse.stride(),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(slots),
         BLOCK_D=block_d, BLOCK_N=block_n, USE_START=cascade is not None, PREFIX_SLOT=prefix_slot,
-        num_warps=4 if block_d >= 128 else 2,
+        WINDOW=window > 0, num_warps=4 if block_d >= 128 else 2,
     )  # fmt: skip

@@ -14,6 +14,12 @@ Grid (B, cdiv(max_extend_len, BLOCK_M), H): one program takes BLOCK_M new tokens
 one q head (q head h reads kv head h // (H / Hkv)); blocks past the request's ext_i do nothing. Keys
 stream in BLOCK_N tiles with an online softmax and stop at the block's causal limit. Key 0 is visible
 to every row, so each row's running max is finite after the first tile.
+
+A sliding window (a runtime argument; token m sees keys pos - window < p <= pos, pos = prefix_i + m)
+also starts the keys at the block's first row's window, rounded down to a tile: no block reads keys
+before its rows' windows, and the loop covers about window + BLOCK_M keys however long the sequence.
+Later rows of the block may see none of the first tiles, so their running max starts at a finite
+floor instead of -inf.
 """
 
 from __future__ import annotations
@@ -24,15 +30,16 @@ import triton.language as tl
 
 from sglbus_kernels.dot_operands import dot_operands
 from sglbus_kernels.index_args import index_jit
-from sglbus_kernels.online_softmax import attend_tile
+from sglbus_kernels.online_softmax import attend_tile, score_scales
 
-_LOG2E = 1.4426950408889634
+# the windowed kernel's initial running max: below any score, yet exp2(floor - floor) is 1, not NaN
+_NO_MAX = tl.constexpr(-1.0e30)
 
 
 @index_jit("req_pool_indices", "prefix_lens", "extend_lens", "extend_start_loc")
 def _extend_kernel(
     q, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
-    qk_scale,
+    qk_scale, cap_scale, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_ks, stride_kh, stride_kd,
@@ -40,7 +47,7 @@ def _extend_kernel(
     stride_rr, stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     block_m = tl.program_id(1)
@@ -62,20 +69,27 @@ def _extend_kernel(
             mask=m_ok[:, None] & d_ok[None, :],
             other=0.0,
         ).to(DOT_DTYPE)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        m_i = tl.full([BLOCK_M], _NO_MAX if WINDOW else float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # the causal limit of the block's last row: keys past it are visible to no row here
         kv_end = prefix + tl.minimum(ext_len, (block_m + 1) * BLOCK_M)
-        for n0 in range(0, kv_end, BLOCK_N):
+        # the window's start for the block's first row: keys before it are visible to no row here
+        kv_first = tl.maximum(prefix + block_m * BLOCK_M - window + 1, 0) if WINDOW else 0
+        for n0 in range(kv_first // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < kv_end
+            if WINDOW:
+                n_ok = n_ok & (n >= kv_first)
             slots = tl.load(req_to_token + row * stride_rr + n * stride_rt, mask=n_ok, other=0)
             kv_mask = n_ok[:, None] & d_ok[None, :]
             visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+            if WINDOW:
+                visible = visible & (n[None, :] > pos[:, None] - window)
             m_i, l_i, acc = attend_tile(
                 q_tile, k_buf, v_buf, slots, kv_head, d, kv_mask, visible, m_i, l_i, acc, qk_scale,
-                stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, DOT_DTYPE, DOT_PRECISION,
+                cap_scale, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+                DOT_DTYPE, DOT_PRECISION, SOFTCAP,
             )  # fmt: skip
         res = acc / l_i[:, None]
         tl.store(
@@ -105,10 +119,19 @@ def extend_attention(
     extend_start_loc: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of each request's new tokens over its cached prefix and themselves; writes out.
     Any strides; max_extend_len (a host int) must be >= every extend_lens[i]. out may be q itself
-    (each program reads its own rows of q before it writes them)."""
+    (each program reads its own rows of q before it writes them).
+
+    window > 0 (sliding window): the token at position i sees keys i - window < p <= i only, its own
+    included (as transformers' sliding mask). softcap > 0 (Gemma 2): each score s = sm_scale * q.k
+    becomes softcap * tanh(s / softcap) before the softmax."""
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window {window} and softcap {softcap} must be >= 0 (0: off)")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buf.shape[1]
     if num_heads % num_kv_heads:
@@ -119,12 +142,13 @@ def extend_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_m, block_n, num_warps, num_stages = _blocks(q.device)
     dot_dtype, precision = dot_operands(k_buf.dtype, q.device)
+    qk_scale, cap_scale = score_scales(sm_scale, softcap)
     _extend_kernel[(batch, triton.cdiv(max_extend_len, block_m), num_heads)](
         q, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
-        sm_scale * _LOG2E,
+        qk_scale, cap_scale, window,
         *q.stride(), *out.stride(), *k_buf.stride(), *v_buf.stride(), *req_to_token.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, WINDOW=window > 0, SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -20,6 +20,7 @@ POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MOE_RUNNER_BACKENDS = ("auto", "torch", "triton")  # services/scheduler/models/moe.py
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance")
 
 
@@ -72,6 +73,12 @@ class EngineConfig:
     )
     attention_backend: str = option(
         "auto", "attention implementation; auto: triton on GPU, torch on CPU", ATTENTION_BACKENDS
+    )
+    moe_runner_backend: str = option(
+        "auto",
+        "how a mixture-of-experts layer runs its experts; auto: the fused Triton kernel with the "
+        "triton attention backend, a torch loop over the experts otherwise",
+        MOE_RUNNER_BACKENDS,
     )
     cuda_graph_max_bs: int = option(
         4096, "largest decode batch replayed from a CUDA graph (GPU only; never above max_running_requests)"

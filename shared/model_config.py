@@ -7,7 +7,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# families whose configs tie the LM head to the embeddings unless they say otherwise
+TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+# architectures[0] of config.json -> the family that runs it (services/scheduler/models/)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    # the whole config.json: the family reads its own keys (norm kinds, soft-caps, experts, ...)
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -45,15 +53,7 @@ class ModelConfig:
             )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        # transformers 5 keeps rope theta (and scaling) in rope_parameters
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
+        rope_theta, rope_scaling = rope_settings(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -68,14 +68,40 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in TIED_BY_DEFAULT)),
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=cfg.get("sliding_window"),
+            raw=cfg,
         )
+
+    def rope(self, layer_type: str = "full_attention") -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of the layers of this type (Gemma 3's sliding layers have their own)."""
+        return rope_settings(self.raw, layer_type) if self.raw else (self.rope_theta, self.rope_scaling)
 
     @classmethod
     def from_folder(cls, folder: str) -> ModelConfig:
         with open(os.path.join(folder, "config.json")) as f:
             return cls.from_dict(json.load(f))
+
+
+def rope_settings(
+    cfg: dict[str, Any], layer_type: str = "full_attention"
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope theta, rope scaling or None) from config.json: transformers 4's `rope_theta` /
+    `rope_scaling` (Gemma 3: `rope_local_base_freq` for its sliding layers, unscaled), or transformers
+    5's `rope_parameters`, flat or per layer type. The scaling dict always names its `rope_type`."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        params = params.get(layer_type) or params.get("full_attention") or {}
+    elif layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+        return float(cfg["rope_local_base_freq"]), None
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = dict(params)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    return theta, scaling

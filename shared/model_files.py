@@ -262,12 +262,24 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
         json.dump(obj, f, indent=2)
 
 
-def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor in the folder's *.safetensors files, loaded one at a time."""
+def weight_files(folder: str) -> list[str]:
+    """The folder's safetensors files: those its `model.safetensors.index.json` maps the tensors to
+    (a sharded checkpoint; other files beside them, such as Mistral's `consolidated.safetensors`, are
+    another copy of the same weights), else every `*.safetensors`."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, name) for name in shards]
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    for path in files:
+    return files
+
+
+def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the checkpoint (`weight_files`), loaded one at a time."""
+    for path in weight_files(folder):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

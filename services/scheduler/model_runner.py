@@ -77,8 +77,6 @@ class ModelRunner:
         self.model_folder = model_folder
         self.model_config = mc = ModelConfig.from_folder(model_folder)
         ctx = config.context_length or mc.max_position_embeddings
-        if mc.sliding_window:  # no sliding-window attention yet: stay where it equals full attention
-            ctx = min(ctx, mc.sliding_window)
         self.context_len = ctx
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
 
@@ -89,7 +87,7 @@ class ModelRunner:
             model.init_dummy(config.random_seed)
         else:
             model.load_weights(iter_weights(model_folder))
-        model.set_ops(make_ops(self.backend_name))
+        model.set_ops(make_ops(self.backend_name, config.moe_runner_backend))
         self.model = model.eval()
         log.info("loaded %s in %.1f s", model_folder, time.perf_counter() - t0)
 
@@ -112,7 +110,8 @@ class ModelRunner:
             self.backend_name, self.kv, self.req_to_token, mc.num_heads, mc.head_dim
         )
         self.graphs = None
-        if self.device.type == "cuda" and self.attn.supports_cuda_graph and not config.disable_cuda_graph:
+        graphs = self.attn.supports_cuda_graph and model.capturable and not config.disable_cuda_graph
+        if self.device.type == "cuda" and graphs:
             from services.scheduler.cuda_graph import CudaGraphRunner
 
             t0 = time.perf_counter()

@@ -33,3 +33,15 @@ def test_parameters_are_made_in_the_serving_dtype_and_rope_stays_float32():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rotary.cos.dtype == torch.float32 and model.rotary.sin.dtype == torch.float32
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_an_unknown_architecture_fails_naming_the_supported_ones():
+    import pytest
+
+    from shared.model_config import SUPPORTED_ARCHITECTURES
+
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_dict(tiny_llama(architectures=["FalconForCausalLM"]))
+    message = str(err.value)
+    assert "\n" not in message and "'FalconForCausalLM'" in message
+    assert all(name in message for name in SUPPORTED_ARCHITECTURES)

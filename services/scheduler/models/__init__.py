@@ -1,20 +1,32 @@
 """Model families by `architectures[0]` of config.json. `shared.model_config.SUPPORTED_ARCHITECTURES`
 lists the names (the gateway checks a model without importing torch models); this maps them to the
-class that runs them, built as `cls(config, max_positions, dtype)` (its parameters made in dtype)."""
+class that runs them, built as `cls(config, max_positions, dtype)` (its parameters made in dtype).
+
+Every family is a `decoder.CausalLM` subclass: an `Arch` read from its config (what its layers are)
+and the names of its checkpoint's tensors; the layers themselves are shared (`layers.py`, `moe.py`).
+How to add one: docs/architecture.md, "Model families"."""
 
 from __future__ import annotations
 
-from torch import nn
-
+from services.scheduler.models.decoder import CausalLM
+from services.scheduler.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from services.scheduler.models.llama import LlamaForCausalLM
+from services.scheduler.models.mistral import MistralForCausalLM, MixtralForCausalLM
+from services.scheduler.models.phi3 import Phi3ForCausalLM
+from services.scheduler.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from shared.model_config import SUPPORTED_ARCHITECTURES
 
-MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # the same layers; sliding window capped in the runner
-}
+MODELS: dict[str, type[CausalLM]] = {
+    cls.__name__: cls
+    for cls in (
+        LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+    )
+}  # fmt: skip
 assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[CausalLM]:
+    if architecture not in MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(MODELS)}")
     return MODELS[architecture]

@@ -1,0 +1,72 @@
+"""Tiny random-weight models of every family, built from transformers configs (no download), for the
+parity tests: `build_hf(model_type, overrides)` gives transformers' own model (fp32, eager attention),
+`save_folder` writes it as a Hugging Face folder with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from shared.model_files import TOKENIZER_FILES
+
+NEW = 12
+WINDOW = 12
+COMMON = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+# family -> (transformers model_type, its config beyond COMMON)
+FAMILIES = {
+    "llama": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "mistral": ("mistral", {"sliding_window": WINDOW}),
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
+    "qwen3": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+              "original_max_position_embeddings": 32}}),
+    "phi3": ("phi3", {"sliding_window": WINDOW}),
+    "gemma2": ("gemma2", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+               "sliding_window_pattern": 2, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
+                  "norm_topk_prob": True, "mlp_only_layers": [1]}),
+}  # fmt: skip
+
+
+def build_hf(model_type: str, overrides: dict, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # larger than the init's std 0.02, so attention and routing matter
+        for name, p in model.named_parameters():
+            if "embed" in name and model_type.startswith("gemma"):  # scaled by sqrt(hidden) = 8
+                p.normal_(0.0, 0.01)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:  # Gemma's norms scale by 1 + w
+                p.normal_(0.0 if model_type.startswith("gemma") else 1.0, 0.1)
+            else:  # biases
+                p.normal_(0.0, 0.1)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False)
+    return y[0, len(prompt) :].tolist()
+
+
+def save_folder(model, folder: str, tokenizer_from: str, **save_options) -> str:
+    model.save_pretrained(folder, **save_options)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(src := os.path.join(tokenizer_from, name)):
+            shutil.copy(src, folder)
+    return folder
