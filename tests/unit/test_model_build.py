@@ -45,3 +45,14 @@ def test_an_unknown_architecture_fails_naming_the_supported_ones():
     message = str(err.value)
     assert "\n" not in message and "'FalconForCausalLM'" in message
     assert all(name in message for name in SUPPORTED_ARCHITECTURES)
+
+
+def test_what_is_not_supported_refuses_to_build():
+    import pytest
+
+    partial = tiny_llama(architectures=["Phi3ForCausalLM"], rope_parameters={"partial_rotary_factor": 0.75})
+    longrope = tiny_llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]})
+    for cfg, says in ((partial, "partial rotary"), (longrope, "'longrope'; supported: linear, llama3, yarn")):
+        mc = ModelConfig.from_dict(cfg)
+        with pytest.raises(ValueError, match=says):
+            _build_model(model_class(mc.architecture), mc, 64, torch.device("cpu"), torch.float32)

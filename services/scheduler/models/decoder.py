@@ -142,7 +142,8 @@ class CausalLM(nn.Module):
         if len(arch.layer_types) != config.num_layers:
             n = len(arch.layer_types)
             raise ValueError(f"layer_types has {n} entries for {config.num_layers} layers")
-        if config.raw.get("partial_rotary_factor", 1.0) != 1.0:
+        rope_params = config.raw.get("rope_parameters") or {}
+        if config.raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         self.rotaries = {t: Rotary.of(config, max_positions, t) for t in sorted(set(arch.layer_types))}
         h = config.hidden_size
