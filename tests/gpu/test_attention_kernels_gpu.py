@@ -150,31 +150,6 @@ def test_decode_with_a_shared_prefix(dtype, softcap):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-def test_decode_replays_in_a_cuda_graph():
-    gen = torch.Generator("cuda").manual_seed(2)
-    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
-    k_buf, v_buf, table, rows = make_pool([3000] * 6, num_kv_heads, head_dim, dtype, gen)
-    batch = 8  # 6 real rows, 2 padding rows at slot 0 the way a graph pads a smaller batch
-    q = torch.randn(batch, num_heads, head_dim, generator=gen, device="cuda").to(dtype)
-    out = torch.empty_like(q)
-    pool_idx = torch.cat((rows, torch.zeros(2, dtype=torch.int64, device="cuda")))
-    lens = torch.ones(batch, dtype=torch.int32, device="cuda")
-    scratch = decode_scratch(batch, num_heads, head_dim, DEFAULT_KV_SPLITS, "cuda")
-    run = lambda: decode_attention(q, k_buf, v_buf, out, table, pool_idx, lens, scratch, head_dim**-0.5)
-    run()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for real in ([5, 900, 64, 1, 2999, 3000], [3000, 17, 1025, 128, 2, 640]):
-        lens.copy_(torch.tensor(real + [1, 1]))
-        out.fill_(float("nan"))
-        graph.replay()
-        ref = reference(q, k_buf, v_buf, table, rows, [n - 1 for n in real], [1] * 6, head_dim**-0.5)
-        assert rel_err(out[:6], ref) < TOL[dtype]
-
-
-# sliding window and soft-cap: Mistral / Llama-like heads at head_dim 128, Gemma 2 9B's at 256. Scores
-# of ~N(0, 1) hardly reach Gemma's cap of 50, so q is scaled up by CAP_GAIN where a cap is on.
 CAP_GAIN = 30.0
 WINDOW_SHAPES = [(32, 8, 128), (16, 8, 256)]
 WINDOW_CASES = [(4096, 0.0), (0, 50.0), (1024, 50.0)]  # (window, softcap)
@@ -230,14 +205,15 @@ def test_extend_window_softcap(num_heads, num_kv_heads, head_dim, window, softca
     assert rel_err(out, ref) < TOL[dtype]
 
 
-def test_windowed_decode_replays_in_a_cuda_graph():
-    """The window's start is computed in the kernels from seq_len: a captured graph follows new lengths."""
+@pytest.mark.parametrize("num_heads,head_dim,window,softcap", [(32, 128, 0, 0.0), (16, 256, 1024, 50.0)])
+def test_decode_replays_in_a_cuda_graph(num_heads, head_dim, window, softcap):
+    """A captured graph follows new lengths (a window's start is computed in the kernels from seq_len)."""
     gen = torch.Generator("cuda").manual_seed(6)
-    num_heads, num_kv_heads, head_dim, dtype = 16, 8, 256, torch.bfloat16
-    window, softcap = 1024, 50.0
+    num_kv_heads, dtype = 8, torch.bfloat16
     k_buf, v_buf, table, rows = make_pool([3000] * 6, num_kv_heads, head_dim, dtype, gen)
     batch = 8  # 6 real rows, 2 padding rows at slot 0
-    q = (torch.randn(batch, num_heads, head_dim, generator=gen, device="cuda") * CAP_GAIN).to(dtype)
+    gain = CAP_GAIN if softcap else 1.0
+    q = (torch.randn(batch, num_heads, head_dim, generator=gen, device="cuda") * gain).to(dtype)
     out = torch.empty_like(q)
     pool_idx = torch.cat((rows, torch.zeros(2, dtype=torch.int64, device="cuda")))
     lens = torch.ones(batch, dtype=torch.int32, device="cuda")
