@@ -39,6 +39,7 @@ from sglbus.supervisor import Child, Supervisor, die_with_parent
 from shared.config import EngineConfig, add_cli_args, cli_overrides, from_env
 from shared.nats_cluster import ROUTE_PORT_OFFSET, NatsCluster
 from shared.nats_server import PortInUse, port_in_use
+from shared.nats_transport import redact_url
 from shared.service_main import (
     EXIT_CONFIG,
     ServiceExit,
@@ -139,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(str(e), code=1)
         nats_url = nats.url
         what = "NATS" if args.nats_cluster == 1 else f"NATS cluster of {args.nats_cluster} nodes"
-        print(f"embedded {what} (JetStream on) at {nats_url} ({note})", flush=True)
+        print(f"embedded {what} (JetStream on) at {redact_url(nats_url)} ({note})", flush=True)
     else:
         nats_url = args.nats_url
-        print(f"using NATS at {nats_url}", flush=True)
+        print(f"using NATS at {redact_url(nats_url)}", flush=True)
 
     env = {k: v for k, v in os.environ.items() if k not in _CREDENTIALS and k != "SGLBUS_API_KEY"}
     env.update(credentials, SGLBUS_LOG_LEVEL=args.log_level, PYTHONUNBUFFERED="1",

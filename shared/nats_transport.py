@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ RECONNECT_BUFFER_BYTES = 64 << 20
 # and how long an undelivered message may wait for a worker before JetStream drops it.
 WORK_PUBLISH_TIMEOUT_S = 10.0
 WORK_MAX_AGE_S = 3600.0
+# how long a service waits at start for JetStream (a cluster elects its leader within seconds)
+JETSTREAM_PATIENCE_S = 30.0
 WORK_RETRY_S = 0.25  # between tries of a publish that JetStream refused for the moment
 _VERDICT_BYTES = {ACK: b"+ACK", PROGRESS: b"+WPI", NAK: b"-NAK", TERM: b"+TERM"}
 
@@ -124,6 +127,7 @@ class NatsTransport(Transport):
         self._consumers: dict[tuple[str, str | None], tuple[str, float]] = {}
         self._refused: asyncio.Future[None] | None = None  # set when the first connect is refused
         self._sync_subject = "_SGLBUS_SYNC." + nc.new_inbox().rsplit(".", 1)[-1]  # see _sync
+        self._connected_at = time.monotonic()
 
     @property
     def max_payload(self) -> int:  # type: ignore[override]  # what the server announced
@@ -153,7 +157,7 @@ class NatsTransport(Transport):
         # nats-py on a closed port waits ~2 s and logs a traceback per try: wait for a port first.
         while not await _any_port_open(servers):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"NATS at {url} not reachable after {connect_timeout} s")
+                raise TimeoutError(f"NATS at {redact_url(url)} not reachable after {connect_timeout} s")
             await asyncio.sleep(0.05)
         nc = Client()
         transport = cls(nc, name, stream_replicas)
@@ -178,11 +182,37 @@ class NatsTransport(Transport):
             await _first(connecting, transport._refused, max(1.0, deadline - time.monotonic()))
         except TimeoutError:
             await nc.close()
-            raise TimeoutError(f"could not connect to NATS at {url}") from None
+            raise TimeoutError(f"could not connect to NATS at {redact_url(url)}") from None
         except nats.errors.AuthorizationError:
             await nc.close()
-            raise PermissionError(f"NATS at {url} refused the credentials (token, user or creds)") from None
+            raise PermissionError(
+                f"NATS at {redact_url(url)} refused the credentials (token, user or creds)"
+            ) from None
+        transport._connected_at = time.monotonic()
         return transport
+
+    async def check_jetstream(self, url: str, patience: float = JETSTREAM_PATIENCE_S) -> None:
+        """Raise LookupError (no JetStream at all: nobody answers its API) or TimeoutError (JetStream
+        there but not ready within `patience`: a cluster still electing its leader) unless this
+        NATS has JetStream, which keeps the work queue."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                await self.js.account_info()
+                return
+            except nats.js.errors.ServiceUnavailableError as e:
+                absent = e.description is None  # no responders: not a JetStream that is still starting
+                if time.monotonic() > (min(deadline, self._connected_at + 3.0) if absent else deadline):
+                    if absent:
+                        raise LookupError(
+                            f"the NATS server at {url} has no JetStream (sglbus keeps its work queue there): "
+                            "start it with `nats-server -js` (or `jetstream {}` in its config)"
+                        ) from None
+                    raise TimeoutError(f"JetStream at {url} not ready after {patience:.0f} s: {e}") from None
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"JetStream at {url} did not answer within {patience:.0f} s") from None
+            await asyncio.sleep(0.25)
 
     async def _on_error(self, e: Exception) -> None:
         refused = isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower()
@@ -201,7 +231,9 @@ class NatsTransport(Transport):
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
-        log.warning("nats %s: reconnected to %s", self.name, getattr(self.nc.connected_url, "netloc", "?"))
+        url = self.nc.connected_url
+        where = f"{url.hostname}:{url.port}" if url is not None else "?"  # never the token in the netloc
+        log.warning("nats %s: reconnected to %s", self.name, where)
         # a NATS that came back without its store has lost the work-queue streams: make them again
         self._streams.clear()
         if self._consumers:
@@ -374,6 +406,12 @@ async def _first(connecting: Any, refused: asyncio.Future, timeout: float) -> No
     if refused in done:
         refused.result()  # raises the AuthorizationError
     raise TimeoutError
+
+
+def redact_url(url: str) -> str:
+    """`url` (one server or comma-separated nodes) with any token or user:password replaced by `***`:
+    what a message or a log may show."""
+    return ",".join(re.sub(r"//[^/@]*@", "//***@", part) for part in url.split(","))
 
 
 def _server_urls(url: str) -> list[str]:

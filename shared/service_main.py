@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from shared.gc_freeze import freeze_startup_objects
-from shared.nats_transport import BusAuth, NatsTransport
+from shared.nats_transport import BusAuth, NatsTransport, redact_url
 from shared.watchdog import start_watchdog
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -158,13 +158,19 @@ async def connect(nats_url: str, name: str, bus: BusOptions | None = None) -> Na
     """`nats_url`: one server or a cluster's nodes, comma-separated."""
     replicas = bus.stream_replicas if bus else 1
     try:
-        return await NatsTransport.connect(nats_url, name=name, auth=bus, stream_replicas=replicas)
+        transport = await NatsTransport.connect(nats_url, name=name, auth=bus, stream_replicas=replicas)
     except ValueError as e:  # no server in the URL
         raise ServiceExit(str(e)) from None
     except TimeoutError as e:  # NATS down: exit 1, a supervisor retries
         raise ServiceExit(f"{e}: is NATS running there?", exit_code=1) from None
     except PermissionError as e:  # wrong credentials: a restart cannot help
         raise ServiceExit(str(e)) from None
+    try:
+        await transport.check_jetstream(redact_url(nats_url))
+    except (LookupError, TimeoutError) as e:  # no JetStream: a restart cannot help; not ready: it may
+        await transport.close()
+        raise ServiceExit(str(e), exit_code=EXIT_CONFIG if isinstance(e, LookupError) else 1) from None
+    return transport
 
 
 async def serve_on_bus(

@@ -490,3 +490,24 @@ def test_services_that_cannot_start_stop_serve_with_exit_1(tmp_path) -> None:
     assert "msgspec blocked by the test" in r.stderr
     assert f"exited {STARTUP_FAILURES} times before the server came up" in r.stderr
     assert "sglbus is serving" not in r.stdout
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_nats_without_jetstream_is_one_line_and_exit_2(service: str) -> None:
+    """--nats-url to a plain nats-server (no -js): one line saying what is wrong and how to fix it."""
+    from shared.nats_server import nats_server_binary
+
+    port = free_port()
+    nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        cmd = [sys.executable, "-m", f"services.{service}", "--nats-url", f"nats://s3cret@127.0.0.1:{port}"]
+        cmd += ["--port", str(free_port())] if service == "gateway" else []
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    finally:
+        nats.terminate()
+        nats.wait()
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no JetStream" in lines[0] and "nats-server -js" in lines[0], r.stderr
+    assert "s3cret" not in r.stderr + r.stdout
