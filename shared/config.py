@@ -56,9 +56,9 @@ class EngineConfig:
         None, "requests decoded at once; unset: sized from the KV pool on GPU (at most 4096), 64 on CPU"
     )
     max_queued_requests: int | None = option(
-        None,
+        16384,
         "requests a scheduler queues for admission at most; past it a new request is refused with a 503 "
-        "(and routers send none); unset: no bound",
+        "(and routers send none)",
     )
     chunked_prefill_size: int | None = option(
         None, "prefill tokens per step, longer prompts are split into chunks; unset: 8192 on GPU, 2048 on CPU"

@@ -62,6 +62,10 @@ RECONNECT_BUFFER_BYTES = 64 << 20
 # and how long an undelivered message may wait for a worker before JetStream drops it.
 WORK_PUBLISH_TIMEOUT_S = 10.0
 WORK_MAX_AGE_S = 3600.0
+# the work-queue stream's bounds: past them a publish is refused at once (the gateway answers 503), never
+# a NATS that fills its disk or memory (requests are taken off the queue as schedulers accept them)
+WORK_MAX_MSGS = 1_000_000
+WORK_MAX_BYTES = 1 << 30
 # how long a service waits at start for JetStream (a cluster elects its leader within seconds)
 JETSTREAM_PATIENCE_S = 30.0
 WORK_RETRY_S = 0.25  # between tries of a publish that JetStream refused for the moment
@@ -128,6 +132,7 @@ class NatsTransport(Transport):
         self._refused: asyncio.Future[None] | None = None  # set when the first connect is refused
         self._sync_subject = "_SGLBUS_SYNC." + nc.new_inbox().rsplit(".", 1)[-1]  # see _sync
         self._connected_at = time.monotonic()
+        self.work_max_msgs, self.work_max_bytes = WORK_MAX_MSGS, WORK_MAX_BYTES
 
     @property
     def max_payload(self) -> int:  # type: ignore[override]  # what the server announced
@@ -247,8 +252,8 @@ class NatsTransport(Transport):
         # one stream for the shared lane and every keyed lane (`<subject>.<key>`)
         cfg = StreamConfig(
             name=name, subjects=[subject, work_lane(subject, "*")], retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=WORK_MAX_AGE_S,
-            num_replicas=self.stream_replicas,
+            storage=StorageType.FILE, discard=DiscardPolicy.NEW, max_age=WORK_MAX_AGE_S,
+            max_msgs=self.work_max_msgs, max_bytes=self.work_max_bytes, num_replicas=self.stream_replicas,
         )  # fmt: skip
         try:
             await self.js.add_stream(cfg)
@@ -294,6 +299,9 @@ class NatsTransport(Transport):
                 ack = await self.js.publish(work_lane(subject, key), data, timeout=left, headers=headers)
                 return ack.seq
             except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError) as e:
+                full = getattr(e, "description", None) or ""
+                if "maximum" in full:  # the stream is at its bounds: no retry will fit it
+                    raise BusUnavailable(f"the work queue is full ({full}); retry shortly") from None
                 self._streams.discard(subject)  # gone, or its leader is: ensure it again on the next try
                 why = f"no work queue for {subject} on NATS ({type(e).__name__})"
             except nats.js.errors.APIError as e:

@@ -39,6 +39,14 @@ class GatewayConfig:
         "connections); `sglbus serve --tokenizer-worker-num` sets it",
     )
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body, in bytes")
+    max_request_states: int = option(
+        4096, "prompts x n one request may ask for (a batch of 4096 prompts, or 32 prompts with n 128); "
+        "past it the request gets a 400"
+    )
+    max_inflight_requests: int = option(
+        16384, "requests (prompts x n) this gateway has in flight at most; past it a new request gets a 503 "
+        "with Retry-After, and the ones in flight go on"
+    )
     max_bus_request_bytes: int = option(
         4 * 1024 * 1024, "largest bus-API request, in bytes (the bus is shared: smaller than max_body_bytes)"
     )
@@ -94,6 +102,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.max_bus_request_bytes < 1024:
             raise ValueError("max_bus_request_bytes must be >= 1024")
+        if self.max_request_states < 1 or self.max_inflight_requests < 1:
+            raise ValueError("max_request_states and max_inflight_requests must be >= 1")
         if self.worker_timeout <= 0:
             raise ValueError("worker_timeout must be > 0")
         if self.recovery_timeout <= 0:

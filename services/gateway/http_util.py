@@ -14,9 +14,13 @@ from starlette.responses import Response
 
 from services.gateway.generate_input import decode_json
 
+# a 503 says when to try again (overloaded, shutting down, the bus away for a moment)
+RETRY_AFTER_S = 1
+
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
 class BodyTooLarge(ValueError):

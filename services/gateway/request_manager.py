@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 
 
 class NotAccepting(BusUnavailable):
-    """The gateway takes no new requests (it is shutting down): answered 503, as a bus that cannot take
-    one; the client may retry elsewhere or later."""
+    """The gateway takes no new requests (it is shutting down, or it has `max_inflight_requests` in
+    flight): answered 503 with Retry-After, as a bus that cannot take one; the client may retry
+    elsewhere or later."""
 
 
 # prompts longer than this (characters or ids) are tokenized and checked on a thread
@@ -67,9 +68,14 @@ class RequestManager:
         context_len: int | None = None,
         gateway_id: str | None = None,
         reasoning_parser: str | None = None,
+        max_request_states: int = 4096,
+        max_inflight: int = 16384,
     ) -> None:
         """reasoning_parser: the server's --reasoning-parser, whose end tag a request with
-        require_reasoning holds its grammar back for (None: such a request is refused)."""
+        require_reasoning holds its grammar back for (None: such a request is refused).
+        max_request_states: prompts x n per request (400 past it); max_inflight: requests in flight
+        here (503 past it): one client's request cannot make millions of states."""
+        self.max_request_states, self.max_inflight = max_request_states, max_inflight
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
         self.prompt_tokens = PromptTokens(tokenizer, vocab_size, context_len)
@@ -132,6 +138,7 @@ class RequestManager:
         then, once it ended, its n samples `{rid}_{j}`, with seeds derived from sampling_seed. The
         states returned are the samples'."""
         self._check_accepting()
+        self._admit(req)
         prompts = [
             dataclasses.replace(p, text=None, input_ids=await self._checked_ids(p)) for p in req.prompts
         ]
@@ -151,6 +158,23 @@ class RequestManager:
     def _check_accepting(self) -> None:
         if self.refusing is not None:
             raise NotAccepting(self.refusing)
+
+    def _admit(self, req: GenerateInput) -> None:
+        """Before anything is tokenized: the request's states (prompts x n) within max_request_states
+        (ValueError: 400) and, with those in flight, within max_inflight (NotAccepting: 503)."""
+        n = req.prompts[0].sampling.n if req.prompts else 1
+        states = len(req.prompts) * n
+        if states > self.max_request_states:
+            raise ValueError(
+                f"a request may ask for at most {self.max_request_states} prompts x n (the gateway's "
+                f"max_request_states); this one asks for {len(req.prompts)} x {n} = {states}: split it"
+            )
+        held = states + (len(req.prompts) if n > 1 else 0)  # n > 1: each prompt's prefill too
+        if len(self._states) + held > self.max_inflight:
+            raise NotAccepting(
+                f"the gateway has {len(self._states)} requests in flight (max_inflight_requests "
+                f"{self.max_inflight}); retry shortly"
+            )
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the tokenizer's threads, so the event loop keeps answering meanwhile."""

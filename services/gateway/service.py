@@ -38,7 +38,8 @@ class Gateway:
         self.model, self.model_path, self.tokenizer_path = model, model_path, tokenizer_path
         self.subjects = Subjects(cfg.subject_prefix)
         self.requests = RequestManager(tokenizer, transport, cfg.subject_prefix, model.vocab_size,
-                                       None, cfg.gateway_id, cfg.reasoning_parser)  # fmt: skip
+                                       None, cfg.gateway_id, cfg.reasoning_parser,
+                                       cfg.max_request_states, cfg.max_inflight_requests)  # fmt: skip
         self.openai = OpenAIServing(self.requests, lambda: (self.served_model_name, model_path, "default"),
                                     cfg.reasoning_parser)  # fmt: skip
         self.bus_api = BusApi(self.requests, transport, cfg.max_bus_request_bytes, self.openai)

@@ -342,3 +342,35 @@ async def test_publish_work_without_nats_is_bus_unavailable() -> None:
             await asyncio.wait_for(bus.publish_work("t.work.down", b"x"), 30)
     finally:
         await bus.close()
+
+
+async def test_a_full_work_queue_refuses_at_once_and_takes_work_again_once_drained(nats_server) -> None:
+    """The stream's bounds (max_msgs, discard new): past them a publish fails with BusUnavailable at
+    once (the gateway's 503), nothing older is thrown away, and a freed place is taken again."""
+    subject = "t.work.full"
+    pub = await NatsTransport.connect(nats_server.url, name="pub-full")
+    pub.work_max_msgs = 3
+    worker = None
+    try:
+        for i in range(3):
+            await pub.publish_work(subject, f"job{i}".encode())
+        started = time.monotonic()
+        with pytest.raises(BusUnavailable, match="maximum messages"):
+            await pub.publish_work(subject, b"one too many")
+        assert time.monotonic() - started < 5  # not the 10 s of retries for a leader coming back
+        worker = await NatsTransport.connect(nats_server.url, name="worker-full")
+        got: asyncio.Queue[Message] = asyncio.Queue()
+
+        async def on(msg: Message) -> None:
+            await got.put(msg)
+            await worker.settle_work(msg.work.token, ACK)
+
+        await worker.subscribe_work(subject, "g", on, ack_wait=30)
+        jobs = [(await asyncio.wait_for(got.get(), 10)).data for _ in range(3)]
+        assert sorted(jobs) == [b"job0", b"job1", b"job2"]
+        await pub.publish_work(subject, b"room again")
+        assert (await asyncio.wait_for(got.get(), 10)).data == b"room again"
+    finally:
+        for bus in (pub, worker):
+            if bus is not None:
+                await bus.close()

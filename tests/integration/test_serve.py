@@ -498,8 +498,8 @@ def test_a_nats_without_jetstream_is_one_line_and_exit_2(service: str) -> None:
     from shared.nats_server import nats_server_binary
 
     port = free_port()
-    nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    plain = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]  # no -js
+    nats = subprocess.Popen(plain, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         cmd = [sys.executable, "-m", f"services.{service}", "--nats-url", f"nats://s3cret@127.0.0.1:{port}"]
         cmd += ["--port", str(free_port())] if service == "gateway" else []

@@ -185,3 +185,29 @@ def test_the_aborted_rids_kept_are_bounded(rm, bus, monkeypatch):
     asyncio.run(run())
     assert len(rm._aborted) == 8
     assert bus.aborted("stray19") == 1 and bus.aborted("stray0") == 2
+
+
+def test_one_request_cannot_ask_for_millions_of_states_and_a_full_gateway_sheds_load(bus):
+    """prompts x n past max_request_states is a 400 before anything is tokenized or published; past
+    max_inflight new requests are refused (503) while those in flight go on, and room comes back as
+    they end."""
+    rm = RequestManager(None, bus, "sglbus", VOCAB, gateway_id="gw", max_request_states=64, max_inflight=12)
+
+    async def run():
+        huge = parse_generate_input({"input_ids": [[1, 2]] * 1000, "sampling_params": {"n": 128}})
+        with pytest.raises(ValueError, match=r"at most 64 prompts x n .* 1000 x 128 = 128000"):
+            await rm.submit(huge)
+        assert rm.in_flight == 0
+        held = [await _submit(rm, f"h{i}", n=2) for i in range(4)]  # 12 in flight: 2 samples + a prefill each
+        with pytest.raises(request_manager.NotAccepting, match="12 requests in flight"):
+            await _submit(rm, "late")
+        first = held[0]
+        for st in first:
+            await _deliver(rm, _out(st.rid, 0, finish=Length(1), token="t"))
+        await rm.wait(first)
+        assert len(await _submit(rm, "later")) == 1  # room again
+
+    try:
+        asyncio.run(run())
+    finally:
+        rm._pool.shutdown(wait=True)
