@@ -58,6 +58,14 @@ CLUSTER_REPLICAS = 3
 # a hung service is killed after this long without progress; generous: a CPU prefill of 2048 tokens of
 # the default model takes ~4 s on 2 idle cores, and a step of a bigger model on CPU may take far longer
 WATCHDOG_TIMEOUT_S = 60.0
+# the gateways' limits on what one client may ask (README, after the serve options)
+GATEWAY_LIMITS = (
+    "max_request_states",
+    "max_inflight_requests",
+    "max_connections",
+    "max_body_bytes",
+    "allowed_hosts",
+)
 _CREDENTIALS = ("SGLBUS_NATS_TOKEN", "SGLBUS_NATS_USER", "SGLBUS_NATS_PASSWORD", "SGLBUS_NATS_CREDS")
 
 
@@ -68,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_log_args(p)
     gateway_options = ("host", "port", "api_key", "served_model_name", "reasoning_parser", "shutdown_timeout",
-                       "router_policy", "router_balance_weight", "worker_recovery_timeout")  # fmt: skip
+                       "router_policy", "router_balance_weight", "worker_recovery_timeout",
+                       *GATEWAY_LIMITS)  # fmt: skip
     add_cli_args(p, GatewayConfig, only=gateway_options)
     p.add_argument("--tokenizer-worker-num", type=int, default=env("SGLBUS_TOKENIZER_WORKER_NUM", "0"),
                    help="gateway processes sharing the HTTP port, as SGLang's tokenizer workers: each "
@@ -159,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if gw.reasoning_parser:
         http += ["--reasoning-parser", gw.reasoning_parser]
     http += ["--shutdown-timeout", str(gw.shutdown_timeout)]  # serve waits that long for the gateways
+    http += _flags({k: getattr(gw, k) for k in GATEWAY_LIMITS if getattr(gw, k) is not None})
     if gateways > 1:
         http.append("--reuse-port")
     gw_env = {**env, "SGLBUS_API_KEY": gw.api_key} if gw.api_key else env

@@ -120,7 +120,8 @@ async def _serve(cfg: GatewayConfig, gateway: Gateway, stop: asyncio.Event, now:
     """HTTP until `stop` is set, then the drain, then uvicorn's shutdown (the responses of the requests
     the drain ended go out within ANSWER_S)."""
     server = _Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port, log_level="warning",
-                                    timeout_graceful_shutdown=ANSWER_S))  # fmt: skip
+                                    timeout_graceful_shutdown=ANSWER_S,
+                                    limit_concurrency=cfg.max_connections))  # fmt: skip
     sockets = None
     if cfg.reuse_port:
         # join the shared port only once this gateway can serve: the kernel hands a connection to

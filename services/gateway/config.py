@@ -39,13 +39,23 @@ class GatewayConfig:
         "connections); `sglbus serve --tokenizer-worker-num` sets it",
     )
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body, in bytes")
+    allowed_hosts: str | None = option(
+        None,
+        "on a loopback address, Host names besides localhost / 127.0.0.1 / [::1] the HTTP API answers "
+        "(comma-separated; * for any: e.g. behind a reverse proxy that passes its own Host on)",
+    )
+    max_connections: int = option(
+        8192, "open HTTP connections at most (each stream holds one); past it new ones get a 503"
+    )
     max_request_states: int = option(
-        4096, "prompts x n one request may ask for (a batch of 4096 prompts, or 32 prompts with n 128); "
-        "past it the request gets a 400"
+        4096,
+        "prompts x n one request may ask for (a batch of 4096 prompts, or 32 prompts with n 128); "
+        "past it the request gets a 400",
     )
     max_inflight_requests: int = option(
-        16384, "requests (prompts x n) this gateway has in flight at most; past it a new request gets a 503 "
-        "with Retry-After, and the ones in flight go on"
+        16384,
+        "requests (prompts x n) this gateway has in flight at most; past it a new request gets a 503 "
+        "with Retry-After, and the ones in flight go on",
     )
     max_bus_request_bytes: int = option(
         4 * 1024 * 1024, "largest bus-API request, in bytes (the bus is shared: smaller than max_body_bytes)"
@@ -102,8 +112,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.max_bus_request_bytes < 1024:
             raise ValueError("max_bus_request_bytes must be >= 1024")
-        if self.max_request_states < 1 or self.max_inflight_requests < 1:
-            raise ValueError("max_request_states and max_inflight_requests must be >= 1")
+        if min(self.max_request_states, self.max_inflight_requests, self.max_connections) < 1:
+            raise ValueError("max_request_states, max_inflight_requests and max_connections must be >= 1")
         if self.worker_timeout <= 0:
             raise ValueError("worker_timeout must be > 0")
         if self.recovery_timeout <= 0:

@@ -20,7 +20,14 @@ import sglbus
 from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, parse_generate_input
-from services.gateway.http_util import BodyTooLarge, json_response, read_json, wait_or_disconnect
+from services.gateway.http_guard import RequestGuard
+from services.gateway.http_util import (
+    BodyTooLarge,
+    SingleFlight,
+    json_response,
+    read_json,
+    wait_or_disconnect,
+)
 from services.gateway.metrics import metrics_route
 from services.gateway.openai_api import openai_error, openai_routes
 from services.gateway.openai_errors import OpenAIError
@@ -29,6 +36,8 @@ from shared.finish import Abort
 from shared.transport import BusUnavailable
 
 log = logging.getLogger(__name__)
+
+HEALTH_PROBE_TTL_S = 1.0  # /health_generate answers from its last probe this long
 
 
 def error(message: str, status: int = 400) -> Response:
@@ -97,9 +106,8 @@ def build_app(gw: Gateway) -> Starlette:
         serving = gw.ready and gw.draining is None  # a gateway shutting down says so: 503
         return Response(status_code=200) if serving else error(gw.why_down(), 503)
 
-    async def health_generate(request: Request) -> Response:
-        if not gw.ready or gw.draining is not None:
-            return error(gw.why_down(), 503)
+    async def probe_generate() -> tuple[str, int]:
+        """One 1-token generation: ("", 200), or why not and 503."""
         probe = parse_generate_input(
             {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
         )
@@ -107,12 +115,22 @@ def build_app(gw: Gateway) -> Starlette:
             states = await gw.requests.submit(probe)
             [st] = await asyncio.wait_for(gw.requests.wait(states), gw.cfg.health_generate_timeout)
         except TimeoutError:
-            return error("a 1-token generation did not finish in time", 503)
+            return "a 1-token generation did not finish in time", 503
         except BusUnavailable as e:
-            return error(f"the probe could not be queued: {e}", 503)
+            return f"the probe could not be queued: {e}", 503
         if isinstance(st.finish, Abort):
-            return error(st.finish.message, 503)
-        return Response(status_code=200)
+            return st.finish.message, 503
+        return "", 200
+
+    probes = SingleFlight(probe_generate, HEALTH_PROBE_TTL_S)
+
+    async def health_generate(request: Request) -> Response:
+        """One probe at a time, its answer shared by the callers that arrive meanwhile or within
+        HEALTH_PROBE_TTL_S after it (a flood of probes is one generation a second, not thousands)."""
+        if not gw.ready or gw.draining is not None:
+            return error(gw.why_down(), 503)
+        message, status = await probes()
+        return Response(status_code=200) if status == 200 else error(message, status)
 
     async def model_info(request: Request) -> Response:
         return json_response(gw.model_info())
@@ -184,6 +202,7 @@ def build_app(gw: Gateway) -> Starlette:
         *openai_routes(gw),
     ]
     auth = [Middleware(ApiKeyAuth, api_key=gw.cfg.api_key)] if gw.cfg.api_key else []
+    auth.insert(0, Middleware(RequestGuard, bound_to=gw.cfg.host, allowed_hosts=gw.cfg.allowed_hosts))
 
     async def no_route(request: Request, exc: Exception) -> Response:
         """An unknown path or method: JSON in OpenAI's error shape, as every other error here."""

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from services.gateway.generate_input import decode_json
+
+T = TypeVar("T")
 
 # a 503 says when to try again (overloaded, shutting down, the bus away for a moment)
 RETRY_AFTER_S = 1
@@ -30,19 +33,59 @@ class BodyTooLarge(ValueError):
     status = 413
 
 
-async def read_json(request: Request, limit: int, parse: bool = True) -> Any:
+class BodyTooSlow(BodyTooLarge):
+    """A body still arriving BODY_TIMEOUT_S after its request began: 408 (a client trickling bytes
+    holds a connection and its buffer for as long as it likes otherwise)."""
+
+    status = 408
+
+
+# the whole body must have arrived this long after the request's headers
+BODY_TIMEOUT_S = 60.0
+
+
+async def read_json(request: Request, limit: int, parse: bool = True, timeout: float = BODY_TIMEOUT_S) -> Any:
     """The body (decoded JSON, or the bytes with parse=False), refused past `limit` bytes (BodyTooLarge:
-    at once when the declared length is over it, else as soon as what arrived is)."""
+    at once when the declared length is over it, else as soon as what arrived is) or when it is not
+    all there after `timeout` seconds (BodyTooSlow)."""
     declared = request.headers.get("content-length")
     where = f"the limit of {limit} bytes (the gateway's max_body_bytes)"
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body of {declared} bytes is over {where}")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise BodyTooLarge(f"request body is over {where}")
+    try:
+        async with asyncio.timeout(timeout):
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise BodyTooLarge(f"request body is over {where}")
+    except TimeoutError:
+        raise BodyTooSlow(
+            f"request body not complete after {timeout:.0f} s ({len(body)} bytes came)"
+        ) from None
     return decode_json(bytes(body)) if parse else bytes(body)
+
+
+class SingleFlight:
+    """`await flight()` runs `fn` once for every caller that arrives while it runs or within `ttl`
+    seconds after it ended; they all get its result."""
+
+    def __init__(self, fn: Callable[[], Awaitable[T]], ttl: float) -> None:
+        self.fn, self.ttl = fn, ttl
+        self._task: asyncio.Task[T] | None = None
+        self._ended = 0.0
+
+    async def __call__(self) -> T:
+        task = self._task
+        if task is None or (task.done() and time.monotonic() - self._ended > self.ttl):
+            task = self._task = asyncio.ensure_future(self._run())
+        return await asyncio.shield(task)
+
+    async def _run(self) -> T:
+        try:
+            return await self.fn()
+        finally:
+            self._ended = time.monotonic()
 
 
 async def wait_or_disconnect(request: Request, result: Awaitable[Any]) -> tuple[bool, Any]:

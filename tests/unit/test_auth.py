@@ -38,7 +38,7 @@ def app_with_key() -> Starlette:
 
 @pytest.fixture
 def client() -> TestClient:
-    return TestClient(app_with_key())
+    return TestClient(app_with_key(), base_url="http://127.0.0.1")
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def fake_gateway(api_key: str | None) -> SimpleNamespace:
 
 
 def test_build_app_checks_the_key_when_one_is_configured() -> None:
-    http = TestClient(build_app(fake_gateway(KEY)))
+    http = TestClient(build_app(fake_gateway(KEY)), base_url="http://127.0.0.1")
     assert http.get("/get_model_info").status_code == 401
     assert http.post("/v1/chat/completions", json={}).status_code == 401  # the OpenAI endpoints too
     r = http.get("/get_model_info", headers={"Authorization": f"Bearer {KEY}"})
@@ -95,5 +95,26 @@ def test_build_app_checks_the_key_when_one_is_configured() -> None:
 
 
 def test_build_app_without_a_key_is_open() -> None:
-    http = TestClient(build_app(fake_gateway(None)))
+    http = TestClient(build_app(fake_gateway(None)), base_url="http://127.0.0.1")
     assert http.get("/get_model_info").status_code == 200
+
+
+def test_allowed_hosts_extend_what_a_loopback_server_answers():
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from services.gateway.http_guard import RequestGuard
+
+    def app(allowed):
+        ok = Route("/x", lambda request: Response("ok"), methods=["GET"])
+        return Starlette(
+            routes=[ok], middleware=[Middleware(RequestGuard, bound_to="127.0.0.1", allowed_hosts=allowed)]
+        )
+
+    proxied = TestClient(app("llm.internal, other.example"), base_url="http://llm.internal:8080")
+    assert proxied.get("/x").status_code == 200
+    assert TestClient(app("llm.internal"), base_url="http://evil.example").get("/x").status_code == 403
+    assert TestClient(app("*"), base_url="http://anything.example").get("/x").status_code == 200
+    assert TestClient(app(None), base_url="http://[::1]:30000").get("/x").status_code == 200

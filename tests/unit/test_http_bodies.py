@@ -38,7 +38,7 @@ def client() -> Iterator[TestClient]:
     requests = SimpleNamespace(bodies=SimpleNamespace(parse=untouched), off_loop=untouched)
     gw = SimpleNamespace(cfg=GatewayConfig(max_body_bytes=LIMIT), requests=requests,
                          openai=SimpleNamespace(parse=untouched))  # fmt: skip
-    with TestClient(build_app(gw)) as c:
+    with TestClient(build_app(gw), base_url="http://127.0.0.1") as c:
         yield c
 
 
@@ -141,3 +141,24 @@ def test_the_event_loop_keeps_answering_while_a_large_body_parses(serving):
 def test_a_refused_body_says_whether_it_asked_for_a_stream(serving, data, stream, param):
     got_stream, parsed = asyncio.run(serving.parse("completion", data))
     assert got_stream is stream and isinstance(parsed, OpenAIError) and parsed.param == param
+
+
+def test_a_body_that_trickles_in_is_refused_after_the_timeout():
+    """A client that sends a byte now and then holds its connection no longer than the timeout: 408."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from services.gateway.http_util import BodyTooSlow, read_json
+
+    async def trickle():
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b" ", "more_body": True}
+
+    async def run():
+        scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"1000")]}
+        with pytest.raises(BodyTooSlow) as err:
+            await read_json(Request(scope, trickle), 1 << 20, timeout=0.3)
+        assert err.value.status == 408 and "not complete after 0 s" in str(err.value)
+
+    asyncio.run(run())

@@ -231,7 +231,7 @@ def test_metrics_needs_the_api_key() -> None:
     app = Starlette(
         routes=[Route("/metrics", metrics_route(gw))], middleware=[Middleware(ApiKeyAuth, api_key="k")]
     )
-    http = TestClient(app)
+    http = TestClient(app, base_url="http://127.0.0.1")
     assert http.get("/metrics").status_code == 401
     r = http.get("/metrics", headers={"Authorization": "Bearer k"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
