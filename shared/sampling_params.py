@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import re._parser as re_parser
 from typing import Any
 
 import msgspec
@@ -25,6 +27,21 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # sampling_seed: any integer the bus (msgpack) carries; the sampler reduces it mod 2^63 into int64
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64
 MAX_TOKENS_END = 1 << 63  # max_new_tokens stays an int64 everywhere
+# Caps on the list-valued parameters (SGLang has none). Each entry costs work at every decode step of a
+# service all requests share: stop strings and patterns are searched by the detokenizer, logit_bias and
+# stop ids are gathered by the scheduler, so one request with 100,000 of them would stall everyone's.
+# They sit far above real use (OpenAI allows 4 stop sequences; a ban list is dozens of tokens; a larger
+# mask is a grammar's job: regex / ebnf).
+MAX_STOP = 128  # stop strings
+MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back and searches that much text per step
+MAX_STOP_REGEX = 16  # stop_regex patterns: each is searched at every step
+MAX_STOP_REGEX_CHARS = 512  # per pattern
+# per pattern, its size with fixed repeats unrolled: `regex` compiles them unrolled, so `a{1000000}`
+# (10 characters) takes 8 s and 200 MB to compile, on the gateway's event loop; `\d{4}-\d{2}` is 7
+MAX_STOP_REGEX_SIZE = 1000
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+_REPEATS = (re_parser.MAX_REPEAT, re_parser.MIN_REPEAT, re_parser.POSSESSIVE_REPEAT)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -145,6 +162,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("n", "an integer >= 1")
         if self.sampling_seed is not None and not (SEED_MIN <= self.sampling_seed < SEED_END):
             bad("sampling_seed", "an integer in [-2^63, 2^64); seeds equal mod 2^63 draw the same tokens")
+        self._verify_sizes()
         for t in self.stop_token_ids:
             if not (0 <= t < vocab_size):
                 bad("stop_token_ids", f"token ids in [0, {vocab_size})")
@@ -159,6 +177,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if any(not s for s in self.stop):
             bad("stop", "non-empty strings")
         for pattern in self.stop_regex:
+            size = regex_size(pattern)  # before compiling: the cap bounds the compile's cost
+            if size > MAX_STOP_REGEX_SIZE:
+                raise ValueError(
+                    f"sampling_params.stop_regex: patterns of size at most {MAX_STOP_REGEX_SIZE} (fixed "
+                    f"repeats unrolled), got {pattern[:40]!r} of size {size}"
+                )
             try:
                 empty = regex.compile(pattern).fullmatch("", timeout=0.05) is not None
             except (regex.error, TimeoutError) as e:
@@ -180,7 +204,57 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if getattr(self, key) == "":
                 bad(key, "a non-empty string")
 
+    def _verify_sizes(self) -> None:
+        """The caps on list sizes, checked before anything walks the lists."""
+
+        def cap(field: str, items: list[str], most: int, what: str, most_chars: int) -> None:
+            allowed = f"sampling_params.{field}: at most {most} {what}s of at most {most_chars} characters"
+            if len(items) > most:
+                raise ValueError(f"{allowed}, got {len(items)} {what}s")
+            longest = max(map(len, items), default=0)
+            if longest > most_chars:
+                raise ValueError(f"{allowed}, got one of {longest} characters")
+
+        cap("stop", self.stop, MAX_STOP, "string", MAX_STOP_CHARS)
+        cap("stop_regex", self.stop_regex, MAX_STOP_REGEX, "pattern", MAX_STOP_REGEX_CHARS)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"sampling_params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, "
+                             f"got {len(self.stop_token_ids)}")  # fmt: skip
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
+            raise ValueError(f"sampling_params.logit_bias: at most {MAX_LOGIT_BIAS} entries, "
+                             f"got {len(self.logit_bias or ())}")  # fmt: skip
+
     def unsupported(self) -> list[str]:
         """Parameters set to a non-default value that the engine cannot honour yet."""
         todo = {"structural_tag": None}
         return [k for k, default in todo.items() if getattr(self, k) != default]
+
+
+def regex_size(pattern: str) -> int:
+    """A pattern's size with its fixed repeats unrolled (what compiling it with `regex` costs);
+    ValueError when Python's `re` cannot parse it (SGLang matches stop_regex with `re`)."""
+    try:
+        return _size(re_parser.parse(pattern))
+    except (re.error, RecursionError, OverflowError) as e:
+        raise ValueError(f"sampling_params.stop_regex {pattern[:40]!r} is not a regular expression "
+                         f"({e}); allowed: Python regular expressions") from None  # fmt: skip
+
+
+def regex_width(pattern: str) -> int:
+    """The longest text a match of pattern can span (huge when unbounded), so that a search for a
+    match ending in new text starts that far back; unbounded when `re` cannot tell."""
+    try:
+        return re_parser.parse(pattern).getwidth()[1]
+    except (re.error, RecursionError, OverflowError):
+        return re_parser.MAXREPEAT
+
+
+def _size(node: Any) -> int:
+    if isinstance(node, re_parser.SubPattern):
+        return sum(_size(item) for item in node.data)
+    if isinstance(node, list | tuple):
+        if len(node) == 2 and node[0] in _REPEATS:  # (op, (lo, hi, subpattern))
+            lo, _, sub = node[1]
+            return max(1, lo) * _size(sub)
+        return sum(_size(x) for x in node) or 1
+    return 0

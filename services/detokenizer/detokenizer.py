@@ -10,6 +10,7 @@ text that is trimmed later. A row whose offset is below the ids we hold replaces
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,9 @@ import regex
 
 from shared.finish import Abort, FinishReason, Stop
 from shared.messages import AbortReq, BatchTextOut, BatchTokenOut, NewReqInfo, TextOut
+from shared.sampling_params import regex_width
 
-_REGEX_TIMEOUT_S = 0.05  # per stop_regex search
+_REGEX_TIMEOUT_S = 0.05  # per request and step, for all its stop_regex searches together
 _FORGET_AFTER = 100_000  # finished rids remembered, to drop tokens that arrive after a stop string
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ class _State:
     sent_text: int = 0  # characters already sent
     sent_ids: int = 0
     broken: bool = False  # lost tokens: waiting for the restarted attempt
+    searched: int = 0  # characters of text searched for stop strings and patterns (no match there)
+    patterns: list[tuple[regex.Pattern, int]] | None = None  # stop_regex compiled, with match widths
 
 
 class Detokenizer:
@@ -112,7 +116,7 @@ class Detokenizer:
         skip = st.info.skip_special_tokens
         st.text = self._decode(st.ids, skip_special_tokens=skip)
         st.prefix_offset, st.read_offset = max(0, offset - 5), offset
-        st.sent_ids = min(st.sent_ids, offset)
+        st.sent_ids, st.searched = min(st.sent_ids, offset), min(st.searched, len(st.text))
 
     def _advance(self, st: _State, finish: FinishReason | None) -> str | None:
         skip = st.info.skip_special_tokens
@@ -120,6 +124,7 @@ class Detokenizer:
             # a matched stop token stays in output_ids but not in the text (SGLang's trim_matched_stop)
             trim = isinstance(finish, Stop) and isinstance(finish.matched, int) and not st.info.no_stop_trim
             st.text = self._decode(st.ids[:-1] if trim else st.ids, skip_special_tokens=skip)
+            st.searched = 0  # decoded afresh: search it all, once
         else:
             prefix = self._decode(st.ids[st.prefix_offset : st.read_offset], skip_special_tokens=skip)
             window = self._decode(st.ids[st.prefix_offset :], skip_special_tokens=skip)
@@ -129,22 +134,30 @@ class Detokenizer:
         return self._match_stop(st) if st.info.stop or st.info.stop_regex else None
 
     def _match_stop(self, st: _State) -> str | None:
-        """The earliest stop string, or text a stop_regex matches (searched over the whole text: a
-        match may be of any length); the text is cut before it (after it with no_stop_trim)."""
-        stops = st.info.stop
-        start = max(0, st.sent_text - max(map(len, stops))) if stops else 0
+        """The earliest stop string, or text a stop_regex matches; the text is cut before it (after it
+        with no_stop_trim). The text before `searched` held no match, so a new one ends after it and
+        starts at most its length before: each step searches that tail, not the whole text (a pattern
+        of unbounded width still searches from the start, as SGLang's does)."""
+        stops, searched = st.info.stop, st.searched
+        start = max(0, searched - max(map(len, stops)) + 1) if stops else 0
         best: tuple[int, str] | None = None
         for s in stops:
             pos = st.text.find(s, start)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
-        for pattern in st.info.stop_regex:
+        if st.patterns is None and st.info.stop_regex:
+            st.patterns = [(regex.compile(p), regex_width(p)) for p in st.info.stop_regex]
+        deadline = time.monotonic() + _REGEX_TIMEOUT_S
+        for pattern, width in st.patterns or ():
             try:  # `regex`, not `re`: a client's pattern must not hold this service (the request fails)
-                m = regex.search(pattern, st.text, timeout=_REGEX_TIMEOUT_S)
+                # pos, not a slice: lookbehinds still see the text before it, and ^ does not match there
+                left = max(deadline - time.monotonic(), 1e-4)
+                m = pattern.search(st.text, max(0, searched - width + 1), timeout=left)
             except TimeoutError:
-                raise ValueError(f"stop_regex {pattern!r} took over {_REGEX_TIMEOUT_S:g} s") from None
+                raise ValueError(f"stop_regex {pattern.pattern!r} took over {_REGEX_TIMEOUT_S:g} s") from None
             if m is not None and (best is None or m.start() < best[0]):
                 best = (m.start(), m.group())
+        st.searched = len(st.text)
         if best is None:
             return None
         pos, s = best
@@ -171,11 +184,16 @@ def _trim(d: OrderedDict) -> None:
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string (held back)."""
+    """Length of the longest suffix of text that is a proper prefix of a stop string (held back): per
+    stop string, its last len(s) - 1 characters are tried from each place s's first character occurs,
+    longest first (a few tries each, not one per length)."""
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        tail = text[max(0, len(text) - len(s) + 1) :]
+        i = tail.find(s[0])
+        while i != -1 and len(tail) - i > best:
+            if s.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(s[0], i + 1)
     return best

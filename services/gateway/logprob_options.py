@@ -21,7 +21,13 @@ FIELDS = {
     # beyond upstream: output_top_logprobs as flat base64 arrays too
     "return_output_top_logprobs_b64": False,
 }
-MAX_TOP_LOGPROBS = 1024  # per position; more is a full-vocabulary dump, not a top-k
+# Per position. SGLang has no cap; OpenAI's is 20 (chat) and 5 (completions), which ours keeps on /v1.
+# Distillation and RL ask /generate for a few hundred (the flat base64 form is for them); more is a
+# full-vocabulary dump, not a top-k, and costs the bus and every streamed chunk that much per token.
+MAX_TOP_LOGPROBS = 1024
+# token_ids_logprob: the same cost per position as top_logprobs_num, so the same cap. SGLang does not
+# say what duplicates mean (it would return the same id twice): refused, as a client's mistake.
+MAX_TOKEN_IDS_LOGPROB = MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,16 @@ def _token_ids(value: Any, n: int) -> list[list[int] | None]:
 
 
 def _ids(v: list) -> list[int] | None:
+    if len(v) > MAX_TOKEN_IDS_LOGPROB:
+        raise ValueError(f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} token ids per prompt, "
+                         f"got {len(v)}")  # fmt: skip
     if not all(_is_int(t) for t in v):
         raise ValueError("token_ids_logprob must contain integer token ids")
+    seen: set[int] = set()
+    for t in v:
+        if t in seen:
+            raise ValueError(f"token_ids_logprob: each token id at most once, got {t} more than once")
+        seen.add(t)
     return v or None
 
 

@@ -21,6 +21,7 @@ from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_reasoning import ReasoningPlan, plan_reasoning
 from services.gateway.openai_tools import ToolPlan, plan_tools, tool_calls_text
 from shared.reasoning_parser import reasoning_end, reasons_by_default
+from shared.sampling_params import MAX_LOGIT_BIAS
 
 # OpenAI's own fields per endpoint, beside `model` and the prompt or messages
 _COMMON = (
@@ -301,6 +302,8 @@ def _stop(stop: Any) -> list[str]:
 def _logit_bias(bias: Any) -> dict[str, float]:
     if not isinstance(bias, dict):
         raise OpenAIError("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:  # before the loop below walks them
+        raise OpenAIError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
     out = {}
     for k, v in bias.items():
         if not re.fullmatch(r"-?[0-9]{1,10}", str(k)):  # ASCII digits: isdigit() takes "²", int() not
