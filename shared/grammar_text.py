@@ -62,6 +62,10 @@ def check_grammar(kind: str, text: str, backend: str | None = None) -> str:
 
     from shared.grammar_finite import never_ends
 
+    if kind == "json_schema":
+        from shared.grammar_limits import check_schema_cost
+
+        check_schema_cost(text)  # before any library expands it
     grammar = grammar_text(kind, text)
     why = never_ends(kind, text)
     if why:

@@ -43,3 +43,18 @@ def test_a_503_says_when_to_retry() -> None:
     r = json_response({"error": "busy"}, 503)
     assert r.headers["retry-after"] == "1"
     assert "retry-after" not in json_response({}, 400).headers
+
+
+def test_a_schema_whose_refs_multiply_is_a_400_at_once(srv, client: httpx.Client) -> None:
+    """5 KB of $refs reusing definitions down 40 levels (2^40 nodes expanded): refused before any
+    grammar library expands it, and the server goes on serving."""
+    defs = {f"L{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/L{i + 1}"},
+            "b": {"$ref": f"#/$defs/L{i + 1}"}}} for i in range(40)}  # fmt: skip
+    defs["L40"] = {"type": "string"}
+    schema = orjson.dumps({"$defs": defs, "$ref": "#/$defs/L0"}).decode()
+    r = client.post(
+        "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4, "json_schema": schema}}
+    )
+    assert r.status_code == 400, r.text
+    assert "with every $ref expanded" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
