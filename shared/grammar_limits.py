@@ -10,6 +10,8 @@ import json
 from functools import cache
 from typing import Any
 
+from shared.grammar_schema import pointer
+
 MAX_SCHEMA_CHARS = 256 * 1024
 MAX_SCHEMA_DEPTH = 128  # nested objects / arrays in the schema's JSON
 MAX_SCHEMA_NODES = 50_000  # schema nodes with every $ref expanded where it is used
@@ -64,18 +66,6 @@ def _expanded_size(schema: Any) -> int:
     target, capped at 10^9; a $ref met again inside its own expansion (recursion) counts 1."""
     cap = 10**9
 
-    def target(ref: str) -> Any:
-        node = schema
-        for part in ref.lstrip("#").split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
-
     active: set[str] = set()
 
     @cache
@@ -84,7 +74,7 @@ def _expanded_size(schema: Any) -> int:
             return 1
         active.add(ref)
         try:
-            t = target(ref)
+            t = pointer(schema, ref)
             return 1 if t is None else size(t)
         finally:
             active.discard(ref)
