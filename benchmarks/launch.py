@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -22,7 +23,8 @@ from typing import Any, NamedTuple
 _STARTUP_TIMEOUT_S = 600.0  # a first start converts the GGUF and loads the model
 _SERVING = re.compile(r"sglbus is serving at (\S+)")
 _NATS = re.compile(r"embedded NATS \(JetStream on\) at (\S+)")
-_TOKEN_FILE = re.compile(r"the token is in ([^)\s]+)")
+# the embedded NATS's bus-API user (a user per role: shared/nats_roles.py) and its password file
+_BUS_PASSWORD = re.compile(r"user (\S+), password in ([^;)\s]+)")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,9 +66,10 @@ class LaunchedServer:
             text = self.log_text()
             if (m := _NATS.search(text)) is not None:
                 self.nats_url = m.group(1)
-            if (m := _TOKEN_FILE.search(text)) is not None and self.nats_token is None:
-                with open(m.group(1)) as f:
-                    self.nats_token = f.read().strip()
+            if (m := _BUS_PASSWORD.search(text)) is not None and self.nats_url and "@" not in self.nats_url:
+                with open(m.group(2)) as f:  # the bus-API user's credentials go into the URL
+                    login = f"{m.group(1)}:{urllib.parse.quote(f.read().strip(), safe='')}@"
+                self.nats_url = self.nats_url.replace("://", f"://{login}", 1)
             if (m := _SERVING.search(text)) is not None:
                 self.url = m.group(1)
                 return self

@@ -128,7 +128,10 @@ fi
 export SGLBUS_PIP_INDEX_URL=${index:-https://pypi.org/simple}
 export TORCH_INDEX_URL=${TORCH_INDEX_URL:-$SGLBUS_PIP_INDEX_URL}
 say "base $SGLBUS_BASE_IMAGE, torch ${TORCH_SPEC:-(default)} from $TORCH_INDEX_URL ${SGLBUS_PIP_FIND_LINKS:-}"
-export SGLBUS_NATS_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+# the bus's passwords, one per role (deploy/nats.conf)
+for role in GATEWAY SCHEDULER DETOKENIZER BUS_API; do
+  export "SGLBUS_NATS_${role}_PASSWORD=$(python3 -c 'import secrets; print(secrets.token_hex(32))')"
+done
 export SGLBUS_PUBLISH_PORT=${SGLBUS_PUBLISH_PORT:-$(free_port)}
 $COMPOSE build scheduler > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; fail "image build"; }
 [ -n "$WHEEL_SERVER" ] && { kill "$WHEEL_SERVER"; WHEEL_SERVER=; }
@@ -176,14 +179,25 @@ print("  ", repr(out.choices[0].message.content), "|", repr(text))
 EOF
 
 stage bus
-# a client container on the compose network, as a service of the deployment would be
-docker run --rm -i --network "${PROJECT}_default" -e SGLBUS_NATS_TOKEN "$SGLBUS_IMAGE" python - << 'EOF' \
+# a client container on the compose network, as a service of the deployment would be: the bus-api user,
+# which may ask sglbus.api.> and nothing else
+docker run --rm -i --network "${PROJECT}_default" -e SGLBUS_NATS_BUS_API_PASSWORD "$SGLBUS_IMAGE" python - << 'EOF' \
   || fail "bus API"
 import asyncio, json, os, nats
 
 
 async def main():
-    nc = await nats.connect("nats://nats:4222", token=os.environ["SGLBUS_NATS_TOKEN"])
+    errors = []
+
+    async def on_error(e):
+        errors.append(str(e).lower())
+
+    nc = await nats.connect("nats://nats:4222", user="bus-api", password=os.environ["SGLBUS_NATS_BUS_API_PASSWORD"],
+                            error_cb=on_error)
+    await nc.subscribe("sglbus.req.>")  # the prompts on the work queue: refused to this user
+    await nc.flush()
+    await asyncio.sleep(0.5)
+    assert any("permissions violation for subscription" in e for e in errors), errors
     body = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
     msg = await nc.request("sglbus.api.generate", json.dumps(body).encode(), timeout=120)
     text = json.loads(msg.data)["text"]
@@ -198,7 +212,7 @@ async def main():
         chunks += 1
     await nc.close()
     assert text and chunks, (text, chunks)
-    print("  ", repr(text), f"| {chunks} stream chunks")
+    print("  ", repr(text), f"| {chunks} stream chunks | the work queue refused to it")
 
 
 asyncio.run(main())

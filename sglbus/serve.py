@@ -17,10 +17,13 @@ With --nats-cluster N (3, 5, ...) the embedded NATS is a cluster of N nodes on l
 kept on 3 of them: any one node may die (it is restarted like the single one) and no accepted request is
 lost. With --nats-url, several comma-separated URLs name the nodes of your own cluster.
 
-The embedded NATS requires a token, generated at each start unless --nats-token is given, written to
-$SGLBUS_CACHE_DIR/nats-token (nats-token-<port> with a --nats-port other than 4222; readable by you
-only; removed at exit) for bus-API clients, and handed to the services
-through the environment, never the command line (`ps` shows command lines to every user).
+The embedded NATS has one user per role, each allowed only the subjects it uses (shared/nats_roles.py):
+gateway, scheduler, detokenizer, and bus-api for bus-API clients, which may only ask <prefix>.api.>.
+Their passwords are new at each start (the bus-api one fixed with --nats-password); the services get
+theirs through the environment, never the command line (`ps` shows command lines to every user), and the
+bus-api password is written to $SGLBUS_CACHE_DIR/nats-bus-api-password (nats-bus-api-password-<port>
+with a --nats-port other than 4222; readable by you only; removed at exit). --nats-tls-cert and
+--nats-tls-key make it require TLS; --ssl-certfile and --ssl-keyfile make the gateways serve HTTPS.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import argparse
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -38,6 +40,7 @@ from services.gateway.config import GatewayConfig
 from sglbus.supervisor import Child, Supervisor, die_with_parent
 from shared.config import EngineConfig, add_cli_args, cli_overrides, from_env
 from shared.nats_cluster import ROUTE_PORT_OFFSET, NatsCluster
+from shared.nats_roles import BUS_API, DETOKENIZER, GATEWAY, SCHEDULER, RoleUsers
 from shared.nats_server import PortInUse, port_in_use
 from shared.nats_transport import redact_url
 from shared.service_main import (
@@ -62,11 +65,15 @@ WATCHDOG_TIMEOUT_S = 60.0
 GATEWAY_LIMITS = (
     "max_request_states",
     "max_inflight_requests",
+    "max_inflight_per_client",
     "max_connections",
     "max_body_bytes",
+    "max_buffered_bytes",
     "allowed_hosts",
+    "grammar_check_timeout",
 )
-_CREDENTIALS = ("SGLBUS_NATS_TOKEN", "SGLBUS_NATS_USER", "SGLBUS_NATS_PASSWORD", "SGLBUS_NATS_CREDS")
+_CREDENTIALS = ("SGLBUS_NATS_TOKEN", "SGLBUS_NATS_USER", "SGLBUS_NATS_PASSWORD", "SGLBUS_NATS_CREDS",
+                "SGLBUS_NATS_TLS_CA")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglbus serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_log_args(p)
-    gateway_options = ("host", "port", "api_key", "served_model_name", "reasoning_parser", "shutdown_timeout",
-                       "router_policy", "router_balance_weight", "worker_recovery_timeout",
-                       *GATEWAY_LIMITS)  # fmt: skip
+    gateway_options = ("host", "port", "api_key", "admin_api_key", "served_model_name", "reasoning_parser",
+                       "shutdown_timeout", "router_policy", "router_balance_weight",
+                       "worker_recovery_timeout", "ssl_certfile", "ssl_keyfile", *GATEWAY_LIMITS)  # fmt: skip
     add_cli_args(p, GatewayConfig, only=gateway_options)
     p.add_argument("--tokenizer-worker-num", type=int, default=env("SGLBUS_TOKENIZER_WORKER_NUM", "0"),
                    help="gateway processes sharing the HTTP port, as SGLang's tokenizer workers: each "
@@ -94,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "scheduler inside one step) before serve kills it with SIGKILL and restarts it; "
                         f"0 turns the watchdog off (default: {WATCHDOG_TIMEOUT_S:g}; "
                         "env SGLBUS_WATCHDOG_TIMEOUT)")  # fmt: skip
-    bus = add_bus_args(p, url=False, token_default="with the embedded NATS, a new random one")
+    bus = add_bus_args(p, url=False)
     bus.add_argument("--nats-url", default=env("SGLBUS_NATS_URL"),
                      help="use this NATS server instead of starting one (default: unset, an embedded NATS; "
                           "env SGLBUS_NATS_URL)")  # fmt: skip
@@ -106,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="nodes of the embedded NATS: 1, or an odd number from 3 for a cluster that "
                           f"survives the loss of a node (the work queue on {CLUSTER_REPLICAS} of them, or "
                           "--nats-replicas) (default: 1; env SGLBUS_NATS_CLUSTER)")  # fmt: skip
+    bus.add_argument("--nats-tls-cert", default=env("SGLBUS_NATS_TLS_CERT"),
+                     help="the embedded NATS requires TLS with this certificate (PEM, with its chain) and "
+                          "--nats-tls-key; the services check it against --nats-tls-ca, else against the "
+                          "certificate itself (default: unset; env SGLBUS_NATS_TLS_CERT)")  # fmt: skip
+    bus.add_argument("--nats-tls-key", default=env("SGLBUS_NATS_TLS_KEY"),
+                     help="the private key (PEM) of --nats-tls-cert (default: unset; env "
+                          "SGLBUS_NATS_TLS_KEY)")  # fmt: skip
     add_cli_args(p, EngineConfig)
     return p
 
@@ -131,16 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     if port_in_use(gw.host, gw.port):
         return _fail(f"port {gw.port} on {gw.host} is in use by another process; pick another with --port")
-    if args.nats_url is None and args.nats_creds:
-        return _fail("--nats-creds needs --nats-url: the embedded NATS takes a token or a user and password")
-    why = _bad_cluster(args)
+    why = _bad_cluster(args) or _bad_nats_auth(args)
     if why:
         return _fail(why)
 
-    nats, credentials = None, _given_credentials(args)
+    nats, roles = None, None
     if args.nats_url is None:
         try:
-            nats, credentials, note = _start_nats(args)
+            nats, roles, note = _start_nats(args, cfg.subject_prefix)
         except PortInUse as e:
             return _fail(f"{e}: another sglbus serve or NATS? pick another port with --nats-port")
         except ValueError as e:
@@ -155,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"using NATS at {redact_url(nats_url)}", flush=True)
 
     env = {k: v for k, v in os.environ.items() if k not in _CREDENTIALS and k != "SGLBUS_API_KEY"}
-    env.update(credentials, SGLBUS_LOG_LEVEL=args.log_level, PYTHONUNBUFFERED="1",
+    env.update(SGLBUS_LOG_LEVEL=args.log_level, PYTHONUNBUFFERED="1",
                SGLBUS_NATS_REPLICAS=str(_replicas(args)))  # fmt: skip
+    if args.nats_tls_ca or args.nats_tls_cert:
+        env["SGLBUS_NATS_TLS_CA"] = os.path.abspath(args.nats_tls_ca or args.nats_tls_cert)
+    # each service connects as its role; to a NATS of your own, with the credentials given
+    bus_env = lambda role: {**env, **(roles.env(role) if roles else _given_credentials(args))}
     pick = lambda *names: {k: engine[k] for k in names if k in engine}
     common = pick("model_path", "tokenizer_path", "subject_prefix")
     bus = ["--nats-url", nats_url]
@@ -168,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     if gw.reasoning_parser:
         http += ["--reasoning-parser", gw.reasoning_parser]
     http += ["--shutdown-timeout", str(gw.shutdown_timeout)]  # serve waits that long for the gateways
-    http += _flags({k: getattr(gw, k) for k in GATEWAY_LIMITS if getattr(gw, k) is not None})
+    http += _flags({k: getattr(gw, k) for k in (*GATEWAY_LIMITS, "ssl_certfile", "ssl_keyfile")
+                    if getattr(gw, k) is not None})  # fmt: skip
     if gateways > 1:
         http.append("--reuse-port")
-    gw_env = {**env, "SGLBUS_API_KEY": gw.api_key} if gw.api_key else env
+    keys = {"SGLBUS_API_KEY": gw.api_key, "SGLBUS_ADMIN_API_KEY": gw.admin_api_key}
+    # by environment: a command line is public
+    gw_env = {**bus_env(GATEWAY), **{k: v for k, v in keys.items() if v}}
     children = [
         *(Child("gateway", ["services.gateway", *bus, *http, *_flags(common)], gw_env)
           for _ in range(gateways)),
@@ -182,17 +201,18 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     for opts in workers:
         detok = {**common, **({"worker_id": opts["worker_id"]} if "worker_id" in opts else {})}
-        children.append(Child("scheduler", ["services.scheduler", *bus, *_flags(opts)], env))
-        children.append(Child("detokenizer", ["services.detokenizer", *bus, *_flags(detok)], env))
+        children.append(Child("scheduler", ["services.scheduler", *bus, *_flags(opts)], bus_env(SCHEDULER)))
+        children.append(Child("detokenizer", ["services.detokenizer", *bus, *_flags(detok)],
+                              bus_env(DETOKENIZER)))  # fmt: skip
     sup = Supervisor(children, nats, args.watchdog_timeout, gw.shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, sup.on_signal)
     try:
-        return sup.run(f"http://{gw.host}:{gw.port}", bool(gw.api_key))
+        return sup.run(f"{'https' if gw.ssl_certfile else 'http'}://{gw.host}:{gw.port}", bool(gw.api_key))
     finally:
         sup.shutdown()
-        if nats is not None and "SGLBUS_NATS_TOKEN" in credentials:
-            _forget_token(credentials["SGLBUS_NATS_TOKEN"], args.nats_port)
+        if roles is not None and not args.nats_password:
+            _forget_password(roles.passwords[BUS_API], args.nats_port)
 
 
 def worker_options(engine: dict, cfg: EngineConfig, dp_size: int) -> list[dict]:
@@ -243,6 +263,23 @@ def _given_credentials(args: argparse.Namespace) -> dict[str, str]:
     return {k: v for k, v in given.items() if v}
 
 
+def _bad_nats_auth(args: argparse.Namespace) -> str | None:
+    """Why the NATS credentials or TLS options cannot work together, or None."""
+    tls = [f"--nats-tls-{what}" for what in ("cert", "key") if getattr(args, f"nats_tls_{what}")]
+    if args.nats_url is not None:
+        return f"{' and '.join(tls)} set up the embedded NATS: leave out --nats-url" if tls else None
+    given = [f"--nats-{name}" for name in ("token", "user", "creds") if getattr(args, f"nats_{name}")]
+    if given:
+        return (f"{', '.join(given)} need --nats-url: the embedded NATS has a user per role (bus clients: "
+                f"user {BUS_API}; --nats-password fixes its password)")  # fmt: skip
+    if len(tls) == 1:
+        return "--nats-tls-cert and --nats-tls-key go together"
+    for path in (args.nats_tls_cert, args.nats_tls_key, args.nats_tls_ca):
+        if path and not os.access(path, os.R_OK):
+            return f"{path} (NATS TLS) is not a readable file"
+    return None
+
+
 def _bad_cluster(args: argparse.Namespace) -> str | None:
     """Why --nats-cluster / --nats-replicas cannot work, or None."""
     n = args.nats_cluster
@@ -262,46 +299,51 @@ def _replicas(args: argparse.Namespace) -> int:
     return min(CLUSTER_REPLICAS, args.nats_cluster) if args.nats_url is None else 1
 
 
-def _start_nats(args: argparse.Namespace) -> tuple[NatsCluster, dict[str, str], str]:
-    """The embedded NATS (one node, or a cluster) with credentials: the user and password given, else a
-    token (given or new)."""
-    nodes = {"size": args.nats_cluster, "port": args.nats_port, "preexec_fn": die_with_parent()}
-    if args.nats_user or args.nats_password:
-        nats = NatsCluster(**nodes, user=args.nats_user, password=args.nats_password)
-        env = {"SGLBUS_NATS_USER": args.nats_user, "SGLBUS_NATS_PASSWORD": args.nats_password}
-        return nats.start(), env, f"bus clients: user {args.nats_user} and your password"
-    token = args.nats_token or secrets.token_urlsafe(24)
-    nats = NatsCluster(**nodes, token=token).start()
-    path = _write_token_file(token, args.nats_port)
-    return nats, {"SGLBUS_NATS_TOKEN": token}, f"bus clients: the token is in {path}"
+def _start_nats(args: argparse.Namespace, prefix: str) -> tuple[NatsCluster, RoleUsers, str]:
+    """The embedded NATS (one node, or a cluster) with a user per role, new passwords but the bus-api
+    one given (--nats-password), which is else written to its file; and what bus clients need to know."""
+    roles = RoleUsers.generate(prefix, args.nats_password)
+    nats = NatsCluster(args.nats_cluster, args.nats_port, users=roles, preexec_fn=die_with_parent(),
+                       tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key).start()  # fmt: skip
+    note = f"bus clients: user {BUS_API}, "
+    if args.nats_password:
+        note += "the password you gave"
+    else:
+        note += f"password in {_write_password_file(roles.passwords[BUS_API], args.nats_port)}"
+    if args.nats_tls_cert:
+        note += f"; TLS with {args.nats_tls_cert}"
+    return nats, roles, note
 
 
-def token_file(port: int) -> str:
-    """Where the embedded NATS's token goes: `nats-token` for the default port, `nats-token-<port>` for
-    another, so a second server (a benchmark's, say) does not overwrite the token of one still running."""
+def password_file(port: int) -> str:
+    """Where the bus-api user's password goes: `nats-bus-api-password` for the default port,
+    `nats-bus-api-password-<port>` for another, so a second server (a benchmark's, say) does not
+    overwrite the password of one still running."""
     from shared.model_files import cache_root
 
-    return os.path.join(cache_root(), "nats-token" if port == DEFAULT_NATS_PORT else f"nats-token-{port}")
+    name = "nats-bus-api-password" + ("" if port == DEFAULT_NATS_PORT else f"-{port}")
+    return os.path.join(cache_root(), name)
 
 
-def _write_token_file(token: str, port: int) -> str:
-    path = token_file(port)
+def _write_password_file(password: str, port: int) -> str:
+    path = password_file(port)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # a private temp file renamed over the old one: never readable by others, never half-written,
     # and a symlink planted at `path` is replaced, not followed
-    fd, tmp = tempfile.mkstemp(prefix=".nats-token-", dir=os.path.dirname(path))
+    fd, tmp = tempfile.mkstemp(prefix=".nats-bus-api-", dir=os.path.dirname(path))
     with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+        f.write(password + "\n")
     os.replace(tmp, path)
     return path
 
 
-def _forget_token(token: str, port: int) -> None:
-    """At exit, the token file goes if it still holds this server's token (a later server's stays)."""
-    path = token_file(port)
+def _forget_password(password: str, port: int) -> None:
+    """At exit, the password file goes if it still holds this server's password (a later server's
+    stays)."""
+    path = password_file(port)
     with contextlib.suppress(OSError):
         with open(path) as f:
-            if f.read().strip() != token:
+            if f.read().strip() != password:
                 return
         os.remove(path)
 

@@ -1,8 +1,15 @@
-"""Bounds on a JSON schema's cost, checked before any grammar library sees it. A schema's text is small,
+"""Bounds on a grammar's cost, checked before any grammar library sees it. A schema's text is small,
 but `$ref`s that point at the same definition more than once form a DAG whose expansion doubles per
 level: 5.6 KB with a 40-level chain kept the gateway's grammar check busy for over a minute. So a schema
 is refused (400, naming the bound) when its text, its nesting, or its size with every `$ref` expanded
-(counted once per use, recursion counted once) is past these."""
+(counted once per use, recursion counted once) is past these.
+
+Any grammar is also refused when its text is past MAX_GRAMMAR_CHARS, or when a part of it needs more
+than MAX_NEEDED_CHARS characters before it can end (`a{100000000}`, `(a{1000}){1000}`, an EBNF rule
+doubled forty levels deep): once decoding is inside such a part its whole rest is forced, and
+jump-forward asks the library for it in one call on the scheduler's step loop (xgrammar allocated
+18 GB in a minute for 2^40 forced characters). What a check still cannot bound runs where a timeout
+stops it (grammar_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +17,68 @@ import json
 from functools import cache
 from typing import Any
 
+try:
+    from re import _parser as _sre  # Python 3.11+
+except ImportError:  # pragma: no cover
+    import sre_parse as _sre  # type: ignore[no-redef]
+
+from shared.grammar_finite import CAP, longest_needed
 from shared.grammar_schema import pointer
 
-MAX_SCHEMA_CHARS = 256 * 1024
+MAX_GRAMMAR_CHARS = 256 * 1024  # a regex's, an EBNF's or a JSON schema's text
+MAX_SCHEMA_CHARS = MAX_GRAMMAR_CHARS
+MAX_NEEDED_CHARS = 100_000  # characters a part of a grammar may need before it can end
 MAX_SCHEMA_DEPTH = 128  # nested objects / arrays in the schema's JSON
 MAX_SCHEMA_NODES = 50_000  # schema nodes with every $ref expanded where it is used
 
 _WHERE = "sampling_params.json_schema"
+
+
+def check_grammar_cost(kind: str, text: str) -> None:
+    """ValueError naming the bound a request's grammar (kind: regex, json_schema, ebnf) is past."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"sampling_params.{kind}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+    if kind == "json_schema":
+        check_schema_cost(text)
+    elif kind == "regex":
+        check_needed(kind, _regex_needed(text))
+    elif kind == "ebnf":
+        check_needed(kind, longest_needed(text))
+
+
+def check_needed(kind: str, needed: int) -> None:
+    """ValueError when a part of the grammar needs more than MAX_NEEDED_CHARS characters to end
+    (needed: `longest_needed` of its EBNF, as the xgrammar backend reads every kind)."""
+    if needed > MAX_NEEDED_CHARS:
+        got = "over 10^12" if needed >= CAP else f"{needed}"
+        raise ValueError(
+            f"sampling_params.{kind}: a part of it needs {got} characters before it can end; at most "
+            f"{MAX_NEEDED_CHARS} (nested repeats, and rules used more than once, multiply it)"
+        )
+
+
+def _regex_needed(pattern: str) -> int:
+    """The most characters any part of the regex (a group, an alternative, a repeat) needs, as Python
+    reads it; 0 when Python cannot parse it (the library's check then says what is wrong)."""
+    try:
+        parsed = _sre.parse(pattern)
+    except Exception:
+        return 0
+    most, work = 0, [parsed]
+    try:
+        while work:
+            sub = work.pop()
+            most = max(most, sub.getwidth()[0])
+            for _op, av in sub.data:
+                items = av if isinstance(av, list | tuple) else ()
+                for x in items:  # the subpatterns of a group, a repeat, a branch, a lookaround
+                    if isinstance(x, _sre.SubPattern):
+                        work.append(x)
+                    elif isinstance(x, list):
+                        work.extend(y for y in x if isinstance(y, _sre.SubPattern))
+    except (RecursionError, OverflowError):
+        return 0
+    return most
 
 
 def check_schema_cost(text: str) -> None:

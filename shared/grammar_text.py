@@ -5,14 +5,26 @@ llguidance cannot use, or a grammar that accepts no finite string (`root ::= "a"
 that requires itself: decoding one never ends) is a 400 that never reaches a scheduler; the scheduler
 compiles the same text against its tokenizer (services/scheduler/constrained/).
 
+`check_grammar` runs the check in a worker process (grammar_sandbox.py) with a timeout that kills it:
+a grammar whose check would run for minutes is a 400 after `--grammar-check-timeout` seconds, and the
+thread that asked (the gateway's tokenizer pool, shared with chat rendering) is free again.
+
 A regex means what Python's `re` means by it, with ASCII classes (grammar_regex.py); a JSON schema
 `true` is any JSON value, `false` a 400 (grammar_schema.py)."""
 
 from __future__ import annotations
 
+import atexit
+import logging
 import re
+import threading
 
+from shared.grammar_sandbox import GrammarSandbox, GrammarTimeout, WorkerDied
+
+log = logging.getLogger(__name__)
 KINDS = ("regex", "json_schema", "ebnf")
+CHECK_TIMEOUT_S = 5.0  # default of the gateway's --grammar-check-timeout (~1 ms for ordinary grammars)
+CHECK_WORKERS = 2  # processes; as many as the gateway's tokenizer threads that may ask at once
 # fixed separators, no free whitespace in JSON: a model cannot loop on blank space
 _JSON_OVERRIDES = {"whitespace_flexible": False}
 _RULE_START = re.compile(r"\s*[A-Za-z_][\w.\-]*\s*::=")
@@ -54,18 +66,64 @@ def grammar_text(kind: str, text: str) -> str:
     raise ValueError(f"unknown grammar kind {kind!r}; allowed: {', '.join(KINDS)}")
 
 
-def check_grammar(kind: str, text: str, backend: str | None = None) -> str:
-    """The grammar text, after llguidance parsed it and it was found to accept a finite string;
-    ValueError with the reason otherwise. backend="xgrammar" also refuses the JSON-schema keywords
-    that xgrammar would ignore (grammar_schema.py), as its compile does."""
+_checks: GrammarSandbox | None = None
+_checks_lock = threading.Lock()
+_timeout_s = CHECK_TIMEOUT_S
+
+
+def set_check_timeout(seconds: float) -> None:
+    """How long `check_grammar` lets a check run (the gateway's --grammar-check-timeout)."""
+    global _timeout_s
+    if not seconds > 0:
+        raise ValueError("grammar_check_timeout must be > 0")
+    _timeout_s = seconds
+
+
+def check_grammar(kind: str, text: str, backend: str | None = None, timeout_s: float | None = None) -> str:
+    """`check_grammar_here` in a worker process, stopped after timeout_s (unset: the configured one):
+    ValueError naming the field when the grammar is invalid, took too long, or killed its worker."""
+    from shared.grammar_limits import MAX_GRAMMAR_CHARS
+
+    if len(text) > MAX_GRAMMAR_CHARS:  # before it is copied to a worker
+        raise ValueError(f"sampling_params.{kind}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+    timeout_s = _timeout_s if timeout_s is None else timeout_s
+    try:
+        return _sandbox().run(timeout_s, check_grammar_here, kind, text, backend)
+    except GrammarTimeout:
+        log.warning("a %s of %d characters took longer than %g s to check: its worker was killed", kind,
+                    len(text), timeout_s)  # fmt: skip
+        raise ValueError(
+            f"sampling_params.{kind} took longer than {timeout_s:g} s to check; simplify it"
+        ) from None
+    except WorkerDied as e:
+        raise ValueError(f"sampling_params.{kind} could not be checked: {e}; simplify it") from None
+
+
+def _sandbox() -> GrammarSandbox:
+    global _checks
+    with _checks_lock:
+        if _checks is None:
+            _checks = GrammarSandbox(CHECK_WORKERS, init=_warm)
+            atexit.register(_checks.close)
+        return _checks
+
+
+def _warm() -> None:
+    """A worker's start: the imports and llguidance's first parse, before any request's timeout runs."""
+    check_grammar_here("regex", "[0-9]+")
+
+
+def check_grammar_here(kind: str, text: str, backend: str | None = None) -> str:
+    """The grammar text, after llguidance parsed it and it was found to accept a finite string and to
+    be within the bounds of grammar_limits.py; ValueError with the reason otherwise. backend="xgrammar"
+    also refuses the JSON-schema keywords that xgrammar would ignore (grammar_schema.py), as its
+    compile does. In this process: no timeout can stop it."""
     from llguidance import LLMatcher
 
     from shared.grammar_finite import never_ends
+    from shared.grammar_limits import check_grammar_cost
 
-    if kind == "json_schema":
-        from shared.grammar_limits import check_schema_cost
-
-        check_schema_cost(text)  # before any library expands it
+    check_grammar_cost(kind, text)  # before any library expands it
     grammar = grammar_text(kind, text)
     why = never_ends(kind, text)
     if why:

@@ -16,8 +16,14 @@ import msgspec
 from shared.finish import FinishReason
 from shared.sampling_params import SamplingParams
 
-# a request delivered this many times took every scheduler that ran it down with it: it is refused
-MAX_DELIVERIES = 3
+# a request that crashed its scheduler this many times while it ran alone ends with an error instead of
+# another try (services/scheduler/quarantine.py: give-backs and crashed batches it was merely in do
+# not count)
+MAX_CRASHES = 3
+# deliveries of one work-queue message allowed for: the gap in attempts a gateway leaves when it routes a
+# request again (`GenerateReq.attempt_base`), and the limit of a scheduler that cannot keep its crash
+# record (its file cannot be written), where every delivery counts
+MAX_DELIVERIES = 10
 
 
 class LogprobReq(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -2,21 +2,28 @@
 runs JetStream with its own store, and routes join them, so a work queue replicated on three nodes keeps
 what it stored, and keeps taking more, while any one node is down.
 
-Clients list every node (`url`, comma-joined) and reconnect to a live one by themselves. The routes
-need no credentials of their own: they listen on loopback, like the client ports, whose token (or user
-and password) every node requires as EmbeddedNats does.
+Clients list every node (`url`, comma-joined) and reconnect to a live one by themselves; every node
+requires the clients' token or users (and TLS) as EmbeddedNats does. The routes have a user and password
+of their own, new for each cluster: a route sees every message, so a local process that could join as
+one would bypass the clients' permissions (shared/nats_roles.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from shared.nats_server import EmbeddedNats, PortInUse, free_port, port_in_use
 
+if TYPE_CHECKING:
+    from shared.nats_roles import RoleUsers
+
 CLUSTER_NAME = "sglbus"
+ROUTE_USER = "route"
 # with client ports from p, the route ports are from p + ROUTE_PORT_OFFSET
 ROUTE_PORT_OFFSET = 100
 # JetStream in a cluster needs each node named. no_advertise: the clients' URL lists name every node.
@@ -24,6 +31,7 @@ _NODE_CONFIG = """server_name: {name}-{i}
 cluster {{
   name: {name}
   listen: {listen}
+  authorization {{ user: "{user}", password: "{password}" }}
   routes: [{routes}]
   no_advertise: true
 }}
@@ -44,9 +52,10 @@ class NatsCluster:
         host: str = "127.0.0.1",
         start_timeout: float = 30.0,
         token: str | None = None,
-        user: str | None = None,
-        password: str | None = None,
+        users: RoleUsers | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"a NATS cluster needs at least one node, got {size}")
@@ -55,8 +64,9 @@ class NatsCluster:
         self.host, self.start_timeout = host, start_timeout
         self.route_ports = [None if route_port is None else route_port + i for i in range(size)]
         ports = [None if port is None else port + i for i in range(size)]
-        auth = {"token": token, "user": user, "password": password}
-        self.nodes = [EmbeddedNats(p, host, start_timeout, preexec_fn=preexec_fn, **auth) for p in ports]
+        self.route_password = secrets.token_urlsafe(24)
+        self.nodes = [EmbeddedNats(p, host, start_timeout, token, users, preexec_fn, tls_cert=tls_cert,
+                                   tls_key=tls_key) for p in ports]  # fmt: skip
 
     @property
     def urls(self) -> list[str]:
@@ -87,10 +97,13 @@ class NatsCluster:
             if port_in_use(self.host, p):  # nats-server would exit naming no port
                 raise PortInUse(f"route port {p} on {self.host} is in use by another process")
         self.route_ports = ports
+        at = f"nats-route://{ROUTE_USER}:{self.route_password}@{self.host}"
         for i, node in enumerate(self.nodes):
-            routes = ", ".join(f"nats-route://{self.host}:{p}" for j, p in enumerate(ports) if j != i)
-            listen = f"{self.host}:{ports[i]}"
-            node.extra_config = _NODE_CONFIG.format(name=CLUSTER_NAME, i=i + 1, listen=listen, routes=routes)
+            routes = ", ".join(f"{at}:{p}" for j, p in enumerate(ports) if j != i)
+            node.extra_config = _NODE_CONFIG.format(
+                name=CLUSTER_NAME, i=i + 1, listen=f"{self.host}:{ports[i]}", routes=routes,
+                user=ROUTE_USER, password=self.route_password,
+            )  # fmt: skip
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Until JetStream answers through every running node (one killed is left out): the routes are
@@ -132,10 +145,9 @@ async def _jetstream_answers(node: EmbeddedNats) -> bool:
     async def quiet(e: Exception) -> None:  # a node still starting refuses: expected, not worth a traceback
         pass
 
-    creds = {"token": node.token, "user": node.user, "password": node.password}
     try:
         nc = await nats.connect(node.url, connect_timeout=1, allow_reconnect=False, error_cb=quiet,
-                                **{k: v for k, v in creds.items() if v is not None})  # fmt: skip
+                                **node.client_options())  # fmt: skip
     except (OSError, nats.errors.Error, TimeoutError):
         return False
     try:

@@ -7,11 +7,16 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.nats_roles import RoleUsers
 
 # NATS' default max_payload (1 MB) is too small for bulk prompt logprobs: raise it to NATS' ceiling.
 # Messages stay small otherwise; senders split a step's output by request (shared/messages.py).
@@ -36,6 +41,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_secret(what: str, value: str) -> None:
+    """A value written into a nats-server config in quotes: non-empty, nothing that would end them."""
+    if not value or any(c in value for c in '"\\\n\r'):
+        raise ValueError(f"NATS {what} must be non-empty, without quotes, backslashes or newlines")
 
 
 class PortInUse(RuntimeError):
@@ -70,10 +81,12 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
 class EmbeddedNats:
     """One nats-server child process on loopback, JetStream on, store and log in a private temp dir.
 
-    `port=None` takes a free port (tests); a given port that is taken raises PortInUse. With `token` (or
-    `user` and `password`) clients must present it. The process runs in its own session, so a Ctrl-C in
-    the terminal reaches only its parent, which stops it last; `preexec_fn` runs in the child before exec.
-    `extra_config` goes into its config file as it is (a cluster node's name and routes: NatsCluster).
+    `port=None` takes a free port (tests); a given port that is taken raises PortInUse. Clients must
+    present `token`, or be one of `users`: a user per role, each allowed only its subjects
+    (shared/nats_roles.py). `tls_cert` and `tls_key` (PEM files) make clients connect with TLS. The
+    process runs in its own session, so a Ctrl-C in the terminal reaches only its parent, which stops it
+    last; `preexec_fn` runs in the child before exec. `extra_config` goes into its config file as it is
+    (a cluster node's name and routes: NatsCluster).
     """
 
     def __init__(
@@ -82,18 +95,22 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         start_timeout: float = 15.0,
         token: str | None = None,
-        user: str | None = None,
-        password: str | None = None,
+        users: RoleUsers | None = None,
         preexec_fn: Callable[[], None] | None = None,
         extra_config: str = "",
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
-        for name, value in (("token", token), ("user", user), ("password", password)):
-            if value is not None and (not value or any(c in value for c in '"\\\n\r')):
-                raise ValueError(f"NATS {name} must be non-empty, without quotes, backslashes or newlines")
-        if (user is None) != (password is None):
-            raise ValueError("NATS user and password go together")
+        if token is not None and users is not None:
+            raise ValueError("NATS takes a token or users, not both")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("the NATS TLS certificate and key go together")
+        for what, value in (("token", token), ("TLS certificate", tls_cert), ("TLS key", tls_key)):
+            if value is not None:
+                check_secret(what, value)
         self.host, self.port, self.start_timeout = host, port, start_timeout
-        self.token, self.user, self.password = token, user, password
+        tls_cert, tls_key = (None if p is None else os.path.abspath(p) for p in (tls_cert, tls_key))
+        self.token, self.users, self.tls_cert, self.tls_key = token, users, tls_cert, tls_key
         self.preexec_fn, self.extra_config = preexec_fn, extra_config
         self.proc: subprocess.Popen[bytes] | None = None
         self.dir: str | None = None
@@ -108,9 +125,25 @@ class EmbeddedNats:
         conf = NATS_CONF
         if self.token is not None:
             conf += f'authorization {{ token: "{self.token}" }}\n'
-        elif self.user is not None:
-            conf += f'authorization {{ user: "{self.user}", password: "{self.password}" }}\n'
+        elif self.users is not None:
+            conf += self.users.config()
+        if self.tls_cert is not None:
+            conf += f'tls {{ cert_file: "{self.tls_cert}", key_file: "{self.tls_key}" }}\n'
         return conf + self.extra_config
+
+    def client_options(self) -> dict[str, Any]:
+        """nats.connect options for a probe of this server (NatsCluster.wait_ready): its token or the
+        gateway's user, and TLS without checking the certificate (the server is our own child)."""
+        from shared.nats_roles import GATEWAY
+
+        opts: dict[str, Any] = {"token": self.token} if self.token is not None else {}
+        if self.users is not None:
+            opts = {"user": GATEWAY, "password": self.users.passwords[GATEWAY]}
+        if self.tls_cert is not None:
+            probe = ssl.create_default_context()
+            probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
+            opts["tls"] = probe
+        return opts
 
     def exit_code(self) -> int | None:
         """None while the server runs (or was never started); its return code once it died."""

@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import logging
 import re
+import ssl
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
+from shared.nats_claims import NatsClaims
 from shared.transport import (
     ACK,
     NAK,
@@ -39,16 +41,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BusAuth:
-    """How a service proves itself to NATS: a token, a user and password, or a credentials file."""
+    """How a service proves itself to NATS (a token, a user and password, or a credentials file), and
+    how it knows the server: `tls_ca`, the CA file its TLS certificate must chain to."""
 
     token: str | None = None
     user: str | None = None
     password: str | None = None
     creds: str | None = None  # path of a NATS .creds file (JWT + nkey seed)
+    tls_ca: str | None = None
 
-    def connect_options(self) -> dict[str, str]:
-        opts = {"token": self.token, "user": self.user, "password": self.password,
-                "user_credentials": self.creds}  # fmt: skip
+    def connect_options(self) -> dict[str, Any]:  # without tls_ca, nats-py checks TLS with the system's CAs
+        opts: dict[str, Any] = {"token": self.token, "user": self.user, "password": self.password,
+                                "user_credentials": self.creds}  # fmt: skip
+        if self.tls_ca:
+            try:
+                opts["tls"] = ssl.create_default_context(cafile=self.tls_ca)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"cannot use {self.tls_ca} as the NATS TLS CA file: {e}") from None
         return {k: v for k, v in opts.items() if v}
 
 
@@ -126,6 +135,7 @@ class NatsTransport(Transport):
         self.reconnects = 0  # times the connection came back after a loss; for health checks
         self._subs: set[_NatsSubscription] = set()
         self.js = nc.jetstream()
+        self._claims = NatsClaims(self.js, stream_replicas)
         self._streams: set[str] = set()  # work-queue subjects whose stream this connection ensured
         # (work subject, lane key) -> (group, ack_wait): the consumers to restore after a reconnect
         self._consumers: dict[tuple[str, str | None], tuple[str, float]] = {}
@@ -153,11 +163,14 @@ class NatsTransport(Transport):
     ) -> NatsTransport:
         """`url`: one server, or the nodes of a cluster comma-separated (the connection moves to a live
         one when its node dies). `auth`: credentials for a NATS that requires them (a token,
-        user/password or a .creds file); a token or user:password in a URL works too. `stream_replicas`:
-        how many nodes keep each work-queue message (3 in a cluster of 3 or more: one may die)."""
+        user/password or a .creds file, and its `tls_ca`); a token or user:password in a URL works too.
+        `stream_replicas`: how many nodes keep each work-queue message (3 in a cluster of 3 or more: one
+        may die). PermissionError when NATS refuses the credentials or its TLS certificate."""
         servers = _server_urls(url)
-        if auth is None or not auth.connect_options():
-            auth = _url_auth(servers)  # as options, so nodes the cluster announces get them too
+        if auth is None or not (auth.token or auth.user or auth.creds):
+            # as options, so nodes the cluster announces get them too
+            auth = replace(_url_auth(servers) or BusAuth(), tls_ca=auth.tls_ca if auth else None)
+        options = auth.connect_options()  # a CA file that does not load: ValueError before any wait
         deadline = time.monotonic() + connect_timeout
         # nats-py on a closed port waits ~2 s and logs a traceback per try: wait for a port first.
         while not await _any_port_open(servers):
@@ -182,7 +195,7 @@ class NatsTransport(Transport):
                 error_cb=transport._on_error,
                 disconnected_cb=transport._on_disconnected,
                 reconnected_cb=transport._on_reconnected,
-                **(auth.connect_options() if auth else {}),
+                **options,
             )
             await _first(connecting, transport._refused, max(1.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -193,6 +206,10 @@ class NatsTransport(Transport):
             raise PermissionError(
                 f"NATS at {redact_url(url)} refused the credentials (token, user or creds)"
             ) from None
+        except ssl.SSLError as e:
+            await nc.close()
+            raise PermissionError(f"NATS at {redact_url(url)}: TLS failed ({e.reason or e}); a server with "
+                                  "its own CA needs it given (--nats-tls-ca)") from None  # fmt: skip
         transport._connected_at = time.monotonic()
         return transport
 
@@ -221,8 +238,10 @@ class NatsTransport(Transport):
 
     async def _on_error(self, e: Exception) -> None:
         refused = isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower()
-        if refused and self._refused is not None and not self._refused.done():
-            self._refused.set_exception(nats.errors.AuthorizationError())
+        # a certificate that does not check out now will not later either: stop, as for bad credentials
+        first = self._refused is not None and not self._refused.done()  # the first connect still waits
+        if first and (refused or isinstance(e, ssl.SSLError)):
+            self._refused.set_exception(nats.errors.AuthorizationError() if refused else e)
             return
         # The EOF of a lost server is reported by _on_disconnected, and refused connections repeat
         # every reconnect_time_wait while it is down: keep both quiet.
@@ -340,6 +359,9 @@ class NatsTransport(Transport):
     async def settle_work(self, token: str, verdict: str) -> None:
         if token:
             await self.nc.publish(token, _VERDICT_BYTES[verdict])
+
+    async def claim(self, bucket: str, key: str, value: str) -> str:
+        return await self._claims.claim(bucket, key, value)
 
     async def _sync(self) -> None:
         """A round trip ordered after everything sent before, so a SUB is live on the server when

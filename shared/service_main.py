@@ -43,6 +43,7 @@ _CREDENTIALS = (
     ("user", "user name for NATS, with --nats-password"),
     ("password", "password for NATS"),
     ("creds", "path of a NATS .creds file (JWT + nkey seed)"),
+    ("tls_ca", "CA file (PEM) the NATS server's TLS certificate must chain to; unset: the system's CAs"),
 )
 # JetStream keeps a stream on at most 5 nodes
 MAX_NATS_REPLICAS = 5
@@ -78,7 +79,8 @@ def add_bus_args(
         g.add_argument("--nats-url", default=env("SGLBUS_NATS_URL", DEFAULT_NATS_URL), help=text)
     for name, text in _CREDENTIALS:
         var, default = f"SGLBUS_NATS_{name.upper()}", token_default if name == "token" else "unset"
-        g.add_argument(f"--nats-{name}", default=env(var), help=f"{text} (default: {default}; env {var})")
+        g.add_argument("--nats-" + name.replace("_", "-"), default=env(var),
+                       help=f"{text} (default: {default}; env {var})")  # fmt: skip
     g.add_argument("--nats-replicas", type=_replicas, default=env("SGLBUS_NATS_REPLICAS"),
                    help="NATS nodes that keep each message of the work queue: 3 on a cluster of 3 or more "
                         "(any one node may die), the same for every service (default: 1; env "
@@ -89,7 +91,7 @@ def add_bus_args(
 def bus_auth(args: argparse.Namespace) -> BusOptions:
     return BusOptions(token=args.nats_token or None, user=args.nats_user or None,
                       password=args.nats_password or None, creds=args.nats_creds or None,
-                      stream_replicas=args.nats_replicas or 1)  # fmt: skip
+                      tls_ca=args.nats_tls_ca or None, stream_replicas=args.nats_replicas or 1)  # fmt: skip
 
 
 def _log_level(raw: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
+
+
+CLAIM_TTL_S = 30.0  # a claim holds this long (Transport.claim)
 
 
 class Work(NamedTuple):
@@ -109,6 +113,11 @@ class Subjects:
         """Every scheduler answers (no queue group): the gateway's fan-out to all workers."""
         return f"{self.prefix}.ctl.all.{what}"
 
+    @property
+    def claims(self) -> str:
+        """The bucket of the gateways' claims (`Transport.claim`): a JetStream key-value bucket."""
+        return "".join(c if c.isalnum() else "_" for c in self.prefix.upper()) + "_CLAIMS"
+
 
 class Subscription(ABC):
     @abstractmethod
@@ -165,6 +174,12 @@ class Transport(ABC):
     async def settle_work(self, token: str, verdict: str) -> None:
         """ACK, PROGRESS, NAK or TERM a delivery by its token (an empty token: nothing to settle)."""
 
+    async def claim(self, bucket: str, key: str, value: str) -> str:
+        """First claim wins: store `value` under `key` in `bucket` unless a claim (younger than
+        CLAIM_TTL_S) holds it, and return the value that holds: every caller on the bus gets the same
+        one. For a decision several gateways must agree on (the router's worker for a new prefix)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no claims")
+
     @abstractmethod
     async def close(self) -> None: ...
 
@@ -200,6 +215,7 @@ class InProcessTransport(Transport):
     def __init__(self) -> None:
         self._subs: dict[str, list[_InProcessSubscription]] = {}
         self._round_robin = itertools.count()
+        self._claims: dict[tuple[str, str], tuple[str, float]] = {}  # -> (value, when claimed)
 
     async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
         msg = Message(subject, data, reply)
@@ -250,6 +266,16 @@ class InProcessTransport(Transport):
 
     async def settle_work(self, token: str, verdict: str) -> None:
         assert verdict in VERDICTS, verdict
+
+    async def claim(self, bucket: str, key: str, value: str) -> str:
+        now = time.monotonic()
+        held = self._claims.get((bucket, key))
+        if held is not None and now - held[1] < CLAIM_TTL_S:
+            return held[0]
+        if len(self._claims) > 100_000:
+            self._claims = {k: v for k, v in self._claims.items() if now - v[1] < CLAIM_TTL_S}
+        self._claims[(bucket, key)] = (value, now)
+        return value
 
     async def close(self) -> None:
         for subs in list(self._subs.values()):

@@ -12,12 +12,14 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import Iterator
 
 import uvicorn
 
 from services.gateway.config import GatewayConfig
 from services.gateway.http_app import build_app
+from services.gateway.http_protocol import header_deadline
 from services.gateway.service import ANSWER_S, Gateway
 from shared.config import add_cli_args, cli_overrides, from_env
 from shared.gc_freeze import freeze_startup_objects
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ServiceExit(
                 f"port {cfg.port} on {cfg.host} is in use by another process; pick another with --port"
             )
+        check_tls_files(cfg)
         folder = model_folder(cfg.model_path, need_weights=False)
         tokenizer_path = cfg.tokenizer_path or folder
         tokenizer = load_checked(f"the tokenizer of {tokenizer_path}", lambda: load_tokenizer(tokenizer_path))
@@ -116,12 +119,24 @@ def main(argv: list[str] | None = None) -> None:
     run("gateway", amain, args.log_level)
 
 
+def check_tls_files(cfg: GatewayConfig) -> None:
+    """A certificate and key that do not load (not PEM, not a pair) are a configuration error, said at
+    start, not a traceback from uvicorn once the model is loaded."""
+    if cfg.ssl_certfile is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ServiceExit(f"cannot serve HTTPS with {cfg.ssl_certfile} and {cfg.ssl_keyfile}: {e}") from None
+
+
 async def _serve(cfg: GatewayConfig, gateway: Gateway, stop: asyncio.Event, now: asyncio.Event) -> None:
     """HTTP until `stop` is set, then the drain, then uvicorn's shutdown (the responses of the requests
     the drain ended go out within ANSWER_S)."""
     server = _Server(uvicorn.Config(build_app(gateway), host=cfg.host, port=cfg.port, log_level="warning",
-                                    timeout_graceful_shutdown=ANSWER_S,
-                                    limit_concurrency=cfg.max_connections))  # fmt: skip
+                                    timeout_graceful_shutdown=ANSWER_S, limit_concurrency=cfg.max_connections,
+                                    ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile,
+                                    http=header_deadline()))  # fmt: skip
     sockets = None
     if cfg.reuse_port:
         # join the shared port only once this gateway can serve: the kernel hands a connection to
@@ -132,7 +147,7 @@ async def _serve(cfg: GatewayConfig, gateway: Gateway, stop: asyncio.Event, now:
         if stop.is_set():
             return
         sockets = [shared_port_socket(cfg.host, cfg.port)]
-    log.info("gateway listening on http://%s:%d%s", cfg.host, cfg.port,
+    log.info("gateway listening on %s://%s:%d%s", "https" if cfg.ssl_certfile else "http", cfg.host, cfg.port,
              " (API key required)" if cfg.api_key else "")  # fmt: skip
     serving = asyncio.ensure_future(server.serve(sockets))
     stopping = asyncio.ensure_future(stop.wait())

@@ -38,11 +38,13 @@ class BodyParser:
     def __init__(
         self,
         vocab_size: int,
+        max_states: int | None = None,
         child_bytes: int = _CHILD_BYTES,
         timeout_s: float = TIMEOUT_S,
         timeout_s_per_mib: float = TIMEOUT_S_PER_MIB,
     ) -> None:
         self.vocab_size, self.child_bytes = vocab_size, child_bytes
+        self.max_states = max_states  # prompts x n: a larger request is refused before it is built
         self.timeout_s, self.timeout_s_per_mib = timeout_s, timeout_s_per_mib
         self._child: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()  # one body at a time through the pipe
@@ -63,7 +65,7 @@ class BodyParser:
         """The body: whether it asked for a stream (a rejected stream is still ended as one), and the
         parsed request or why it is invalid."""
         if len(body) < self.child_bytes:
-            return parse(body)
+            return parse(body, self.max_states)
         timeout = self.timeout_s + self.timeout_s_per_mib * len(body) / (1 << 20)
         async with self._lock:
             try:
@@ -77,7 +79,7 @@ class BodyParser:
                 self._kill()
                 raise
             await self.stop()  # a new child starts with the next large body
-        return await asyncio.to_thread(parse, body)
+        return await asyncio.to_thread(parse, body, self.max_states)
 
     def _kill(self) -> None:
         if self._child is not None:
@@ -89,7 +91,7 @@ class BodyParser:
         if self._child is None or self._child.returncode is not None:
             self._child = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "services.gateway.body_parser", str(self.vocab_size),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                str(self.max_states or 0), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             )  # fmt: skip
         return self._child
 
@@ -119,23 +121,23 @@ async def _read_ids(r: asyncio.StreamReader, length: int) -> list[int]:
     return ids
 
 
-def parse(body: bytes) -> Parsed:
+def parse(body: bytes, max_states: int | None = None) -> Parsed:
     try:
         obj = decode_json(body)
     except ValueError as e:
         return False, e
     stream = isinstance(obj, dict) and obj.get("stream") is True
     try:
-        return stream, parse_generate_input(obj)
+        return stream, parse_generate_input(obj, max_states)
     except ValueError as e:
         return stream, e
 
 
-def _serve(vocab_size: int, stdin: Any, stdout: Any) -> None:
+def _serve(vocab_size: int, max_states: int | None, stdin: Any, stdout: Any) -> None:
     """(child process) bodies in, results out, until the pipe closes."""
     while header := stdin.read(_LEN.size):
         (n,) = _LEN.unpack(header)
-        stream, parsed = parse(stdin.read(n))
+        stream, parsed = parse(stdin.read(n), max_states)
         blocks: list[bytes] = []
         lengths: list[int] = []  # per prompt (0: a text)
         if isinstance(parsed, GenerateInput):
@@ -157,4 +159,4 @@ def _serve(vocab_size: int, stdin: Any, stdout: Any) -> None:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), sys.stdin.buffer, sys.stdout.buffer)
+    _serve(int(sys.argv[1]), int(sys.argv[2]) or None, sys.stdin.buffer, sys.stdout.buffer)

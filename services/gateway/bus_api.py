@@ -98,7 +98,8 @@ class BusApi:
             await self._reject(reply, str(e), 400, stream)
             return
         except BusUnavailable as e:
-            await self._reject(reply, f"the request could not be queued: {e}; retry", 503, stream)
+            status = getattr(e, "status", 503)  # 429: this client's own bound
+            await self._reject(reply, f"the request could not be queued: {e}; retry", status, stream)
             return
         try:
             if stream:

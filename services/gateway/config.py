@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from services.gateway.router.policies import ROUTER_POLICIES
@@ -39,10 +40,21 @@ class GatewayConfig:
         "connections); `sglbus serve --tokenizer-worker-num` sets it",
     )
     max_body_bytes: int = option(32 * 1024 * 1024, "largest accepted request body, in bytes")
+    max_buffered_bytes: int = option(
+        1 << 30,
+        "request-body bytes a gateway holds while they arrive, across all connections; past it a body gets "
+        "a 503 with Retry-After (each body is bounded by max_body_bytes, many at once by this)",
+    )
     allowed_hosts: str | None = option(
         None,
         "on a loopback address, Host names besides localhost / 127.0.0.1 / [::1] the HTTP API answers "
         "(comma-separated; * for any: e.g. behind a reverse proxy that passes its own Host on)",
+    )
+    max_inflight_per_client: int | None = option(
+        None,
+        "requests (prompts x n) one client (its address and bearer token) may have in flight at once; past "
+        "it its new requests get a 429 with Retry-After while other clients are served (default: no "
+        "bound of its own: max_inflight_requests)",
     )
     max_connections: int = option(
         8192, "open HTTP connections at most (each stream holds one); past it new ones get a 503"
@@ -59,6 +71,11 @@ class GatewayConfig:
     )
     max_bus_request_bytes: int = option(
         4 * 1024 * 1024, "largest bus-API request, in bytes (the bus is shared: smaller than max_body_bytes)"
+    )
+    grammar_check_timeout: float = option(
+        5.0,
+        "seconds a request's regex / json_schema / ebnf may take to check (in a child process, killed past "
+        "it); past it the request gets a 400",
     )
     worker_timeout: float = option(
         5.0,
@@ -101,17 +118,37 @@ class GatewayConfig:
         "prefer the environment variable (a command line is visible to other users)",
         secret=True,
     )
+    admin_api_key: str | None = option(
+        None,
+        "when set, /flush_cache needs `Authorization: Bearer <admin key>`, and that key may abort any "
+        "client's requests (other callers abort only their own); accepted wherever the API key is",
+        secret=True,
+    )
+    ssl_certfile: str | None = option(
+        None, "HTTPS: the certificate file (PEM, with its chain), as SGLang's; with ssl_keyfile. Unset: HTTP"
+    )
+    ssl_keyfile: str | None = option(None, "HTTPS: the private key file (PEM) of ssl_certfile")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both for HTTPS, or neither")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{name} {path!r} is not a readable file")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             allowed = ", ".join(REASONING_PARSERS)
             raise ValueError(f"reasoning_parser must be one of {allowed}, not {self.reasoning_parser!r}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError("max_buffered_bytes must be >= max_body_bytes (one largest body must fit)")
         if self.max_bus_request_bytes < 1024:
             raise ValueError("max_bus_request_bytes must be >= 1024")
+        if self.max_inflight_per_client is not None and self.max_inflight_per_client < 1:
+            raise ValueError("max_inflight_per_client must be >= 1")
         if min(self.max_request_states, self.max_inflight_requests, self.max_connections) < 1:
             raise ValueError("max_request_states, max_inflight_requests and max_connections must be >= 1")
         if self.worker_timeout <= 0:

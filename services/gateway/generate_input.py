@@ -59,10 +59,14 @@ def decode_json(body: bytes) -> Any:
         raise ValueError(f"invalid JSON: {e}") from None
 
 
-def parse_generate_input(obj: Any) -> GenerateInput:
+def parse_generate_input(obj: Any, max_states: int | None = None) -> GenerateInput:
+    """`max_states`: the gateway's bound on prompts x n (counted before anything is built, so a body of
+    250,000 prompts with n 128 is refused in microseconds, not seconds)."""
     if not isinstance(obj, dict):
         raise ValueError("the request body must be a JSON object")
     _check_fields(obj)
+    if max_states is not None:
+        check_states(_count_prompts(obj), _n_of(obj.get("sampling_params")), max_states)
     items, is_batch = _inputs(obj.get("text"), obj.get("input_ids"))
     n = len(items)
     sp = obj.get("sampling_params")
@@ -98,6 +102,31 @@ def parse_generate_input(obj: Any) -> GenerateInput:
     ]
     # n > 1: one response per sample, grouped prompt by prompt, always a list (as SGLang)
     return GenerateInput(prompts, is_batch or params[0].n > 1, bool(stream))
+
+
+def check_states(prompts: int, n: int, max_states: int) -> None:
+    """A request's states (prompts x n) within the gateway's max_request_states: ValueError (a 400)."""
+    if prompts * n > max_states:
+        raise ValueError(
+            f"a request may ask for at most {max_states} prompts x n (the gateway's max_request_states); "
+            f"this one asks for {prompts} x {n} = {prompts * n}: split it"
+        )
+
+
+def _count_prompts(obj: dict[str, Any]) -> int:
+    text, ids = obj.get("text"), obj.get("input_ids")
+    if isinstance(text, list):
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return 1
+
+
+def _n_of(sp: Any) -> int:
+    """The n asked for, as far as it reads as one (the full checks come later)."""
+    first = sp[0] if isinstance(sp, list) and sp else sp
+    n = first.get("n", 1) if isinstance(first, dict) else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
 def _check_fields(obj: dict[str, Any]) -> None:

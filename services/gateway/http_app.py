@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,14 +13,15 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sglbus
 from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, parse_generate_input
+from services.gateway.http_auth import AuthGate, caller_of
 from services.gateway.http_guard import RequestGuard
 from services.gateway.http_util import (
+    BodyBudget,
     BodyTooLarge,
     SingleFlight,
     json_response,
@@ -46,34 +46,9 @@ def error(message: str, status: int = 400) -> Response:
     )
 
 
-# open without the API key, as in SGLang: load balancers and orchestrators probe them
-OPEN_PATHS = frozenset({"/health", "/health_generate"})
-
-
-class ApiKeyAuth:
-    """Every HTTP route but OPEN_PATHS needs `Authorization: Bearer <key>`, compared in constant time.
-    Pure ASGI (no BaseHTTPMiddleware), so streams and disconnect detection pass through untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        response = error("missing or wrong API key: send the header `Authorization: Bearer <key>`", 401)
-        response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
-
-
-async def read_request(request: Request, limit: int, bodies: BodyParser) -> GenerateInput:
+async def read_request(request: Request, limit: int, bodies: BodyParser, budget: BodyBudget) -> GenerateInput:
     """The body as a GenerateInput (ValueError when it is not a valid one)."""
-    _, parsed = await bodies.parse(await read_json(request, limit, parse=False))
+    _, parsed = await bodies.parse(await read_json(request, limit, parse=False, budget=budget))
     if isinstance(parsed, ValueError):
         raise parsed
     return parsed
@@ -81,17 +56,18 @@ async def read_request(request: Request, limit: int, bodies: BodyParser) -> Gene
 
 def build_app(gw: Gateway) -> Starlette:
     limit = gw.cfg.max_body_bytes
+    budget = BodyBudget(gw.cfg.max_buffered_bytes)
 
     async def generate(request: Request) -> Response:
         try:
-            req = await read_request(request, limit, gw.requests.bodies)
-            states = await gw.requests.submit(req)
+            req = await read_request(request, limit, gw.requests.bodies, budget)
+            states = await gw.requests.submit(req, caller_of(request.scope).owner)
         except BodyTooLarge as e:
             return error(str(e), e.status)
         except ValueError as e:
             return error(str(e), 400)
         except BusUnavailable as e:  # nothing was accepted: the client may simply retry
-            return error(f"the request could not be queued: {e}; retry", 503)
+            return error(f"the request could not be queued: {e}; retry", getattr(e, "status", 503))
         if req.stream:
             return StreamingResponse(_sse(gw, req, states), media_type="text/event-stream")
         answered, done = await wait_or_disconnect(request, gw.requests.wait(states))
@@ -156,16 +132,17 @@ def build_app(gw: Gateway) -> Starlette:
 
     async def abort_request(request: Request) -> Response:
         try:
-            obj = await read_json(request, limit)
+            obj = await read_json(request, limit, budget=budget)
         except BodyTooLarge as e:
             return error(str(e), e.status)
         except ValueError as e:
             return error(str(e), 400)
         if not isinstance(obj, dict) or (not obj.get("abort_all") and not isinstance(obj.get("rid"), str)):
             return error('send {"rid": "<request id>"} or {"abort_all": true}', 400)
-        rids = gw.requests.active_rids() if obj.get("abort_all") else [obj["rid"]]
-        if rids:
-            await gw.requests.abort(rids)
+        caller = caller_of(request.scope)
+        owner = None if caller.admin else caller.owner  # the admin key reaches every client's requests
+        rid = None if obj.get("abort_all") else obj["rid"]
+        await gw.requests.abort_owned(owner, rid)
         return Response(status_code=200)
 
     async def list_models(request: Request) -> Response:
@@ -199,10 +176,10 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/metrics", metrics_route(gw), methods=["GET"]),
-        *openai_routes(gw),
+        *openai_routes(gw, budget),
     ]
-    auth = [Middleware(ApiKeyAuth, api_key=gw.cfg.api_key)] if gw.cfg.api_key else []
-    auth.insert(0, Middleware(RequestGuard, bound_to=gw.cfg.host, allowed_hosts=gw.cfg.allowed_hosts))
+    auth = [Middleware(RequestGuard, bound_to=gw.cfg.host, allowed_hosts=gw.cfg.allowed_hosts),
+            Middleware(AuthGate, api_key=gw.cfg.api_key, admin_api_key=gw.cfg.admin_api_key)]  # fmt: skip
 
     async def no_route(request: Request, exc: Exception) -> Response:
         """An unknown path or method: JSON in OpenAI's error shape, as every other error here."""

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from services.gateway.generate_input import decode_json
@@ -22,7 +22,7 @@ RETRY_AFTER_S = 1
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
@@ -40,14 +40,45 @@ class BodyTooSlow(BodyTooLarge):
     status = 408
 
 
+class ClientGone(BodyTooLarge):
+    """The client closed its connection before its body arrived: nobody to answer (499)."""
+
+    status = 499
+
+
+class BodiesFull(BodyTooLarge):
+    """The gateway holds `max_buffered_bytes` of bodies still arriving: 503, retry (each body is
+    bounded by max_body_bytes, but thousands of connections uploading at once would not be)."""
+
+    status = 503
+
+
+class BodyBudget:
+    """The bytes of request bodies a gateway buffers at once, across connections."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise BodiesFull(f"the gateway is receiving {self.held} bytes of request bodies already (its "
+                             f"max_buffered_bytes, {self.limit}); retry shortly")  # fmt: skip
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
 # the whole body must have arrived this long after the request's headers
 BODY_TIMEOUT_S = 60.0
 
 
-async def read_json(request: Request, limit: int, parse: bool = True, timeout: float = BODY_TIMEOUT_S) -> Any:
+async def read_json(request: Request, limit: int, parse: bool = True, timeout: float = BODY_TIMEOUT_S,
+                    budget: BodyBudget | None = None) -> Any:  # fmt: skip
     """The body (decoded JSON, or the bytes with parse=False), refused past `limit` bytes (BodyTooLarge:
-    at once when the declared length is over it, else as soon as what arrived is) or when it is not
-    all there after `timeout` seconds (BodyTooSlow)."""
+    at once when the declared length is over it, else as soon as what arrived is), when it is not
+    all there after `timeout` seconds (BodyTooSlow), when `budget` has no room for what arrives
+    (BodiesFull) or when the client went away meanwhile (ClientGone)."""
     declared = request.headers.get("content-length")
     where = f"the limit of {limit} bytes (the gateway's max_body_bytes)"
     if declared and declared.isdigit() and int(declared) > limit:
@@ -56,6 +87,8 @@ async def read_json(request: Request, limit: int, parse: bool = True, timeout: f
     try:
         async with asyncio.timeout(timeout):
             async for part in request.stream():
+                if budget is not None:
+                    budget.take(len(part))
                 body += part
                 if len(body) > limit:
                     raise BodyTooLarge(f"request body is over {where}")
@@ -63,6 +96,11 @@ async def read_json(request: Request, limit: int, parse: bool = True, timeout: f
         raise BodyTooSlow(
             f"request body not complete after {timeout:.0f} s ({len(body)} bytes came)"
         ) from None
+    except ClientDisconnect:
+        raise ClientGone(f"the client went away after {len(body)} bytes of its body") from None
+    finally:
+        if budget is not None:
+            budget.give(len(body))
     return decode_json(bytes(body)) if parse else bytes(body)
 
 

@@ -14,7 +14,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from services.gateway.generate_input import check_vocabulary, decode_json
-from services.gateway.http_util import BodyTooLarge, json_response, read_json, wait_or_disconnect
+from services.gateway.http_auth import caller_of
+from services.gateway.http_util import BodyBudget, BodyTooLarge, json_response, read_json, wait_or_disconnect
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_requests import is_int
 from services.gateway.openai_serving import OFF_LOOP_BYTES, OpenAIServing, Submitted
@@ -25,14 +26,14 @@ def openai_error(e: OpenAIError) -> Response:
     return json_response(e.body(), e.status)
 
 
-def openai_routes(gw: Gateway) -> list[Route]:
+def openai_routes(gw: Gateway, budget: BodyBudget | None = None) -> list[Route]:
     limit = gw.cfg.max_body_bytes
 
     async def body_of(request: Request) -> bytes:
         """The body's bytes (decoded where its size decides: `OpenAIServing.parse`, `worked`);
         OpenAIError 413 past the size limit."""
         try:
-            return await read_json(request, limit, parse=False)
+            return await read_json(request, limit, parse=False, budget=budget)
         except BodyTooLarge as e:
             raise OpenAIError(str(e), None, e.status) from None
 
@@ -48,7 +49,7 @@ def openai_routes(gw: Gateway) -> list[Route]:
             _, parsed = await serving.parse(kind, await body_of(request))
             if isinstance(parsed, OpenAIError):
                 raise parsed
-            sub = await serving.submit(*parsed)
+            sub = await serving.submit(*parsed, caller_of(request.scope).owner)
         except OpenAIError as e:
             return openai_error(e)
         except ValueError as e:  # a check below the OpenAI layer's own: still the request's fault

@@ -24,5 +24,10 @@ class OpenAIError(ValueError):
 
 
 def server_error(message: str, status: int = 500) -> OpenAIError:
-    kind = "service_unavailable_error" if status == 503 else "server_error"
-    return OpenAIError(message, None, status, kind if status >= 500 else "invalid_request_error")
+    if status == 429:
+        kind = "rate_limit_error"
+    elif status >= 500:
+        kind = "service_unavailable_error" if status == 503 else "server_error"
+    else:
+        kind = "invalid_request_error"
+    return OpenAIError(message, None, status, kind)

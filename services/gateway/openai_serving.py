@@ -79,20 +79,22 @@ class OpenAIServing:
                 req = parse_chat(body, self.models(), self.render, self.reasoning_parser)
             else:
                 req = parse_completion(body, self.models())
-            return stream, (req, parse_generate_input(req.generate))
+            return stream, (req, parse_generate_input(req.generate, self.requests.max_request_states))
         except OpenAIError as e:
             return stream, e
         except ValueError as e:  # invalid JSON, or the /generate request's own checks
             return stream, OpenAIError(str(e))
 
-    async def submit(self, req: OpenAIRequest, gen: GenerateInput) -> Submitted:
-        """Queued (`parse` gives the pair); OpenAIError when it cannot be (nothing was queued then)."""
+    async def submit(self, req: OpenAIRequest, gen: GenerateInput, owner: str = "") -> Submitted:
+        """Queued (`parse` gives the pair); OpenAIError when it cannot be (nothing was queued then).
+        owner: who may abort it by its rid (http_auth.Caller)."""
         try:
-            states = await self.requests.submit(gen)
+            states = await self.requests.submit(gen, owner)
         except ValueError as e:  # the checks every request passes (prompt length, vocabulary, grammar)
             raise OpenAIError(str(e)) from None
         except BusUnavailable as e:
-            raise server_error(f"the request could not be queued: {e}; retry", 503) from None
+            status = getattr(e, "status", 503)  # 429: this client's own bound
+            raise server_error(f"the request could not be queued: {e}; retry", status) from None
         texts: list[str] = []
         if req.echo:  # each prompt's text, as sent or its ids decoded
             texts = [

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,7 +29,7 @@ import msgspec
 
 from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
-from services.gateway.generate_input import GenerateInput, Prompt, parse_generate_input
+from services.gateway.generate_input import GenerateInput, Prompt, check_states, parse_generate_input
 from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.request_prep import check_logprobs, logprob_factory, nth_sample, warm_prompt
 from services.gateway.request_state import Delta, RequestState
@@ -52,6 +53,15 @@ class NotAccepting(BusUnavailable):
     flight): answered 503 with Retry-After, as a bus that cannot take one; the client may retry
     elsewhere or later."""
 
+    status = 503
+
+
+class OverClientLimit(NotAccepting):
+    """This client has `max_inflight_per_client` requests in flight: 429 with Retry-After (the others
+    are still served)."""
+
+    status = 429
+
 
 # prompts longer than this (characters or ids) are tokenized and checked on a thread
 _OFF_LOOP_LEN = 8192
@@ -70,20 +80,30 @@ class RequestManager:
         reasoning_parser: str | None = None,
         max_request_states: int = 4096,
         max_inflight: int = 16384,
+        max_inflight_per_client: int | None = None,
     ) -> None:
         """reasoning_parser: the server's --reasoning-parser, whose end tag a request with
         require_reasoning holds its grammar back for (None: such a request is refused).
         max_request_states: prompts x n per request (400 past it); max_inflight: requests in flight
         here (503 past it): one client's request cannot make millions of states."""
         self.max_request_states, self.max_inflight = max_request_states, max_inflight
+        self.max_per_client = max_inflight_per_client
+        self._per_owner: Counter[str] = Counter()  # requests in flight per owner (its states)
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
         self.prompt_tokens = PromptTokens(tokenizer, vocab_size, context_len)
         self.transport = transport
         self.subjects = Subjects(subject_prefix)
         self.vocab_size = vocab_size
-        self.out_subject = self.subjects.out(gateway_id or uuid.uuid4().hex[:12])
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self.out_subject = self.subjects.out(self.gateway_id)
+        # the bus's request ids are this gateway's own (the client's rid is a label): two clients, or two
+        # gateways, never share one, and a reused label is a new request; the boot part keeps a
+        # restarted gateway's ids apart from its last run's, still in the work queue
+        boot = uuid.uuid4().hex[:6]
+        self._ids = (f"{self.gateway_id}-{boot}-{n}" for n in itertools.count())
         self._states: dict[str, RequestState] = {}
+        self._labels: dict[tuple[str, str], RequestState] = {}  # (owner, label) of those in flight
         self._dec = Decoder(BatchTextOut)
         self._sub: Subscription | None = None
         # bus_s: summed time from publishing a request to its final output arriving (the bus path:
@@ -91,7 +111,7 @@ class RequestManager:
         # scheduler's step time, it is what the bus adds (benchmarks/bus_latency.py)
         self.stats: dict[str, float] = {"finished": 0, "bus_s": 0.0}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        self.bodies = BodyParser(vocab_size)
+        self.bodies = BodyParser(vocab_size, max_request_states)
         self.metrics: GatewayMetrics | None = None  # the gateway's /metrics (the offline Engine has none)
         # which worker runs each request (the served gateway's); None: the shared lane of the queue
         self.router: Router | None = None
@@ -131,20 +151,21 @@ class RequestManager:
         async for event in self.stream(await self.submit(req)):
             yield sglang_shape.stream_chunk(event, req.is_batch)
 
-    async def submit(self, req: GenerateInput) -> list[RequestState]:
+    async def submit(self, req: GenerateInput, owner: str = "") -> list[RequestState]:
         """Tokenize, validate and publish every prompt; ValueError (nothing published) on bad input.
+        owner: who may abort them by their rids (`abort_owned`); a rid is unique per owner.
         n > 1: each prompt goes out as one group for one scheduler: a prefill (max_new_tokens=0) that
         leaves it in the prefix cache and computes the prompt logprobs, if asked, for all samples;
         then, once it ended, its n samples `{rid}_{j}`, with seeds derived from sampling_seed. The
         states returned are the samples'."""
         self._check_accepting()
-        self._admit(req)
+        self._admit(req, owner)
         prompts = [
             dataclasses.replace(p, text=None, input_ids=await self._checked_ids(p)) for p in req.prompts
         ]
         n = prompts[0].sampling.n
         if n == 1:
-            return [st for (st,) in await self._publish([[p] for p in prompts])]
+            return [st for (st,) in await self._publish([[p] for p in prompts], owner)]
         groups = []
         for p in prompts:
             warm = warm_prompt(p)
@@ -153,27 +174,28 @@ class RequestManager:
                 shared = dataclasses.replace(p.logprob, input_shared=True)
                 samples = [dataclasses.replace(s, logprob=shared) for s in samples]
             groups.append([warm, *samples])
-        return [st for group in await self._publish(groups) for st in group[1:]]
+        return [st for group in await self._publish(groups, owner) for st in group[1:]]
 
     def _check_accepting(self) -> None:
         if self.refusing is not None:
             raise NotAccepting(self.refusing)
 
-    def _admit(self, req: GenerateInput) -> None:
+    def _admit(self, req: GenerateInput, owner: str) -> None:
         """Before anything is tokenized: the request's states (prompts x n) within max_request_states
-        (ValueError: 400) and, with those in flight, within max_inflight (NotAccepting: 503)."""
+        (ValueError: 400) and, with those in flight, within max_inflight (NotAccepting: 503) and the
+        owner's within max_inflight_per_client (OverClientLimit: 429)."""
         n = req.prompts[0].sampling.n if req.prompts else 1
-        states = len(req.prompts) * n
-        if states > self.max_request_states:
-            raise ValueError(
-                f"a request may ask for at most {self.max_request_states} prompts x n (the gateway's "
-                f"max_request_states); this one asks for {len(req.prompts)} x {n} = {states}: split it"
-            )
-        held = states + (len(req.prompts) if n > 1 else 0)  # n > 1: each prompt's prefill too
+        check_states(len(req.prompts), n, self.max_request_states)  # (a parse with the bound did it too)
+        held = len(req.prompts) * n + (len(req.prompts) if n > 1 else 0)  # n > 1: each prompt's prefill too
         if len(self._states) + held > self.max_inflight:
             raise NotAccepting(
                 f"the gateway has {len(self._states)} requests in flight (max_inflight_requests "
                 f"{self.max_inflight}); retry shortly"
+            )
+        if self.max_per_client is not None and owner and self._per_owner[owner] + held > self.max_per_client:
+            raise OverClientLimit(
+                f"you have {self._per_owner[owner]} requests in flight (the gateway's "
+                f"max_inflight_per_client {self.max_per_client}); retry once some have finished"
             )
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -209,25 +231,24 @@ class RequestManager:
                              "tag that ends the reasoning); leave it unset")  # fmt: skip
         return ids
 
-    async def _publish(self, groups: list[list[Prompt]]) -> list[list[RequestState]]:
+    async def _publish(self, groups: list[list[Prompt]], owner: str) -> list[list[RequestState]]:
         """Each group is one message for one scheduler: its first request, and the others to run there
         after it (`GenerateReq.then`); a request with `input_shared` logprobs takes its prompt's from
         the first."""
         self._check_accepting()  # again: tokenizing may have outlasted the start of a shutdown
         states: list[list[RequestState]] = []
-        msgs, rids = [], set()
+        msgs, labels = [], set()
         for group in groups:
             members: list[RequestState] = []
             reqs = []
             for p in group:
                 assert p.input_ids is not None
-                if p.rid in self._states or p.rid in rids:
-                    raise ValueError(f"rid {p.rid!r} is already in use")
-                rids.add(p.rid)
+                if (owner, p.rid) in self._labels or p.rid in labels:
+                    raise ValueError(f"rid {p.rid!r} is already in use by a request of yours that is running")
+                labels.add(p.rid)
                 now = time.time()
-                st = RequestState(
-                    p.rid, len(p.input_ids), now, prompt_ids=p.input_ids if p.return_prompt_ids else None
-                )
+                st = RequestState(next(self._ids), len(p.input_ids), now, label=p.rid, owner=owner,
+                                  prompt_ids=p.input_ids if p.return_prompt_ids else None)  # fmt: skip
                 if p.logprob is not None:
                     source = members[0] if members and p.logprob.input_shared else None
                     st.new_logprobs = logprob_factory(p, self.prompt_tokens.token_texts, source)
@@ -238,7 +259,7 @@ class RequestManager:
                     if p.require_reasoning and self.reasoning_parser
                     else ""
                 )
-                reqs.append(GenerateReq(rid=p.rid, input_ids=p.input_ids, sampling=p.sampling,
+                reqs.append(GenerateReq(rid=st.rid, input_ids=p.input_ids, sampling=p.sampling,
                                         out_subject=self.out_subject, created=now,
                                         logprob=p.logprob.request() if p.logprob else None,
                                         reasoning_end=end))  # fmt: skip
@@ -251,9 +272,12 @@ class RequestManager:
             pin = groups[i][0].dp_rank
             dispatch = Dispatch(msg, self._route(msg.input_ids, pin=None if pin is None else str(pin)))
             if self.router is not None:
+                await self.router.agree(dispatch.route)
                 await self.router.announce(dispatch.route)
             for st in members:
                 self._states[st.rid] = st
+                self._labels[(owner, st.label)] = st
+                self._per_owner[owner] += 1
                 st.published = time.perf_counter()
                 st.dispatch = dispatch
             try:
@@ -264,7 +288,7 @@ class RequestManager:
                 self._release(dispatch, 0)
                 for later in states[i:]:
                     for st in later:
-                        self._states.pop(st.rid, None)
+                        self._drop(st)
                 await self._forget([st for g in states[:i] for st in g])
                 raise
         return states
@@ -388,6 +412,31 @@ class RequestManager:
                 self._note_aborted(rid, st.attempt)
         await self.transport.publish(self.subjects.abort, encode(AbortReq(rids=rids)))
 
+    async def abort_owned(self, owner: str | None, label: str | None) -> int:
+        """`/abort_request`: the unfinished requests of `owner` (None: of every client) whose rid is
+        `label`, else those whose rid is `label` + "_<i>" (a batch, n > 1; None: all of them)."""
+        exact = self._labels.get((owner, label)) if owner is not None and label is not None else None
+        if exact is not None:
+            found = [exact]
+        else:
+            found = [st for st in self._states.values() if (owner is None or st.owner == owner) and (
+                label is None or st.label == label or st.label.startswith(f"{label}_"))]  # fmt: skip
+        rids = [st.rid for st in found if not st.finished]
+        if rids:
+            await self.abort(rids)
+        return len(rids)
+
+    def _drop(self, st: RequestState) -> bool:
+        """Forget the state here; False when it was not held."""
+        if self._labels.get((st.owner, st.label)) is st:
+            del self._labels[(st.owner, st.label)]
+        if self._states.pop(st.rid, None) is None:
+            return False
+        self._per_owner[st.owner] -= 1
+        if not self._per_owner[st.owner]:
+            del self._per_owner[st.owner]
+        return True
+
     def _note_aborted(self, rid: str, attempt: int) -> None:
         self._aborted[rid] = max(attempt, self._aborted.pop(rid, 0))
         while len(self._aborted) > _ABORTED_KEPT:
@@ -401,7 +450,7 @@ class RequestManager:
             if not st.finished:
                 self._note_aborted(st.rid, st.attempt)
             self._release(st.dispatch)
-            if self._states.pop(st.rid, None) is not None and self.metrics is not None:
+            if self._drop(st) and self.metrics is not None:
                 self._count(st)
         if unfinished:  # the caller went away: free the scheduler's KV for these
             await asyncio.shield(self.abort(unfinished))
@@ -476,8 +525,8 @@ class RequestManager:
             self.stats["finished"] += 1
             self.stats["bus_s"] += time.perf_counter() - st.published
             log.info(
-                "finished %s: %d prompt + %d output tokens (%d cached), %.3f s, %s",
-                st.rid, st.prompt_tokens, len(st.output_ids), st.cached_tokens,
+                "finished %s (rid %s): %d prompt + %d output tokens (%d cached), %.3f s, %s",
+                st.rid, st.label, st.prompt_tokens, len(st.output_ids), st.cached_tokens,
                 time.time() - st.created, describe(st.finish),
             )  # fmt: skip
 

@@ -17,9 +17,11 @@ from shared.finish import Abort, FinishReason
 
 @dataclass
 class RequestState:
-    rid: str
+    rid: str  # the gateway's own id for it on the bus: `<gateway id>-<boot>-<n>`, never reused
     prompt_tokens: int
     created: float
+    label: str = ""  # the client's rid (responses show it; it may repeat across owners)
+    owner: str = ""  # who may abort it by its label (http_auth.Caller.owner)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finish: FinishReason | None = None

@@ -21,6 +21,7 @@ from services.gateway.metrics import GatewayMetrics, checked_snapshot
 from services.gateway.openai_serving import OpenAIServing
 from services.gateway.request_manager import RequestManager
 from services.gateway.router.router import Router
+from shared.grammar_text import set_check_timeout
 from shared.heartbeat import Heartbeat
 from shared.model_config import ModelConfig
 from shared.transport import Message, Subjects, Subscription, Transport
@@ -39,7 +40,9 @@ class Gateway:
         self.subjects = Subjects(cfg.subject_prefix)
         self.requests = RequestManager(tokenizer, transport, cfg.subject_prefix, model.vocab_size,
                                        None, cfg.gateway_id, cfg.reasoning_parser,
-                                       cfg.max_request_states, cfg.max_inflight_requests)  # fmt: skip
+                                       cfg.max_request_states, cfg.max_inflight_requests,
+                                       cfg.max_inflight_per_client)  # fmt: skip
+        set_check_timeout(cfg.grammar_check_timeout)  # the grammar checks `requests` runs (grammar_text.py)
         self.openai = OpenAIServing(self.requests, lambda: (self.served_model_name, model_path, "default"),
                                     cfg.reasoning_parser)  # fmt: skip
         self.bus_api = BusApi(self.requests, transport, cfg.max_bus_request_bytes, self.openai)
@@ -58,7 +61,8 @@ class Gateway:
         self.metrics = GatewayMetrics(self.served_model_name, self.scheduler_reports, self.peer_metrics)
         self.requests.metrics = self.metrics
         self.router = Router(cfg.router_policy, transport, self.subjects, self.live_workers,
-                             cfg.router_balance_weight, self.requests.out_subject)  # fmt: skip
+                             cfg.router_balance_weight, self.requests.out_subject,
+                             self.peer_gateways)  # fmt: skip
         self.router.on_route = lambda r: self.metrics.routed(cfg.router_policy, r.outcome, r.worker)
         self.requests.router = self.router
         self._gone: set[str] = set()  # workers dead past worker_recovery_timeout, forgotten by the router
@@ -143,6 +147,11 @@ class Gateway:
         now = time.monotonic()
         return sorted(w for (svc, w), t in self._seen.items()
                       if svc == "scheduler" and now - t < self.cfg.worker_timeout)  # fmt: skip
+
+    def peer_gateways(self) -> int:
+        """Other gateways whose heartbeat is recent (the router then claims new prefixes on the bus)."""
+        now = time.monotonic()
+        return sum(now - t < self.cfg.worker_timeout for t, _ in self._peer_metrics.values())
 
     def live_workers(self) -> list[str]:
         """Workers that can serve now: a live scheduler and a live detokenizer (the router's choice)."""

@@ -14,7 +14,7 @@ from shared.finish import as_dict
 def response(st: RequestState) -> dict[str, Any]:
     """The request so far."""
     meta = {
-        "id": st.rid,
+        "id": st.label,
         "prompt_tokens": st.prompt_tokens,
         "completion_tokens": len(st.output_ids),
         "cached_tokens": st.cached_tokens,

@@ -21,6 +21,7 @@ from shared.transport import Work
 
 if TYPE_CHECKING:
     from services.scheduler.memory import KVPool
+    from services.scheduler.quarantine import Quarantine
     from services.scheduler.step_output import StepOutput
     from shared.config import EngineConfig
 
@@ -37,30 +38,28 @@ class RequestIntake:
     eos_ids: tuple[int, ...]
     cfg: EngineConfig
     held: dict[int, list[Req]]  # a request's uid -> the requests that run after it (GenerateReq.then)
+    quarantine: Quarantine  # requests that follow a crash run alone
 
-    def add_request(
-        self, msg: GenerateReq, work: Work | None = None, max_deliveries: int | None = None,
-        new_tokens: int | None = None,
-    ) -> None:  # fmt: skip
+    def add_request(self, msg: GenerateReq, work: Work | None = None, new_tokens: int | None = None) -> None:
         """Queue a request (and hold those that run after it), or answer it at once with a 400 that
         names what is wrong with it. `work`: the work-queue delivery it came in (None in-process).
-        A delivery past `max_deliveries` of a request that does not run here took every scheduler
-        that ran it down with it: answered with a 500, not run again. (One that runs here was
-        delivered again only because a keep-alive came late, on a busy machine: it keeps going.)
+        A delivery that follows a crash runs in quarantine (quarantine.py), or ends with a 500 when
+        it crashed schedulers too often. (One that runs here was delivered again only because a
+        keep-alive came late, on a busy machine: it keeps going.)
         `new_tokens`: the prompt tokens it will compute, as estimated on arrival (the load report).
         Past `max_queued_requests` waiting requests a new one is refused with a 503."""
-        if work is not None and work.deliveries > 1:
+        trial = None
+        if work is not None and (work.deliveries > 1 or msg.attempt_base > 0):
             rids = {msg.rid, *(m.rid for m in msg.then)}
             live = [r for r in self._all() if r.rid in rids]
             if live:  # delivered again while it runs here (a late keep-alive): keep going
                 for r in live:
                     r.work_token = work.token
                 return
-            if max_deliveries is not None and work.deliveries > max_deliveries:
-                why = (f"the request was delivered {work.deliveries} times and every scheduler that ran it "
-                       "stopped; it is not tried again")  # fmt: skip
-                log.error("%s: %s", msg.rid, why)
-                self.reject(msg, why, 500, work)
+            trial = self.quarantine.judge(msg, work.deliveries)
+            if trial is not None and trial.refuse is not None:
+                log.error("%s: %s", msg.rid, trial.refuse)
+                self.reject(msg, trial.refuse, 500, work)
                 return
         bound = self.cfg.max_queued_requests
         if bound is not None and len(self.waiting) >= bound:
@@ -78,6 +77,8 @@ class RequestIntake:
         self.waiting.append(req)
         if msg.then:
             self.held[req.uid] = [r for r in (self._checked(m, work) for m in msg.then) if r.finish is None]
+        if trial is not None:
+            self.quarantine.watch(trial, [req, *self.held.get(req.uid, ())])
 
     def _checked(self, msg: GenerateReq, work: Work | None) -> Req:
         """The request to queue, or refused: answered at once, its finish set."""

@@ -10,7 +10,7 @@ from its cached prefix later).
 Failures stay with the request that caused them: what arrives is checked first (`check_request`: the
 bus is a trust boundary), and logits -> tokens and logprobs (`SampleStep`, sample_step.py) ends only
 the requests whose own row fails (abort, 500). Only an error that concerns the whole step (the
-forward) fails the step (`fail_running`).
+forward) fails the step (`fail_running`). Requests that follow a crash run alone (quarantine.py).
 
 A step is launched (`_launch`: slots, ForwardBatch, forward, draw) and completed (`_complete`: the ids
 on the host, finishes, output). With overlap scheduling the next step is launched before the previous
@@ -41,6 +41,7 @@ from services.scheduler.model_runner import ModelRunner
 from services.scheduler.policy import InBatchPrefixCheck, match_key, order_waiting
 from services.scheduler.pool_state import PoolState
 from services.scheduler.prefix_cache import make_prefix_cache
+from services.scheduler.quarantine import CrashRecord, Quarantine
 from services.scheduler.request import Req
 from services.scheduler.sample_step import Drawn, SampleStep
 from services.scheduler.step_inputs import StepInputs
@@ -71,7 +72,7 @@ class _Step:
 
 
 class Scheduler(RequestIntake, PoolState):
-    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, record: CrashRecord | None = None) -> None:
         self.cfg, self.runner = config, runner
         self.kv, self.req_to_token = runner.kv, runner.req_to_token
         self.tree = make_prefix_cache(config.disable_radix_cache, self.kv, self.req_to_token)
@@ -83,6 +84,7 @@ class Scheduler(RequestIntake, PoolState):
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.held: dict[int, list[Req]] = {}
+        self.quarantine = Quarantine(record)
         self.ratio = config.new_token_ratio
         self.output = StepOutput()
         # KV slots promised to this step's requests (`_extend`), taken from the pool in one go when
@@ -125,7 +127,7 @@ class Scheduler(RequestIntake, PoolState):
         self.timer.lap_begin()
         self._release_finished()
         self._step_check = None
-        batch = self._schedule()
+        batch, alone = self.quarantine.schedule(self, self._schedule, self._flush)
         self.timer.lap("schedule")
         # a constrained request decoding the token in flight: its mask needs that token, so the step
         # in flight is completed between this step's forward and its sampling
@@ -135,17 +137,18 @@ class Scheduler(RequestIntake, PoolState):
             and any(r.pending and r.matcher is not None for r in batch)
         )
         launched = self._launch(batch, defer) if batch else None
-        early = send_early is not None and self.overlap and launched is not None
+        early = send_early is not None and self.overlap and launched is not None and alone is None
         if early and (ready := self.take_output()) is not None:
             send_early(ready)
         self.timer.lap("send")
         self._last_check = self._step_check if launched is not None and self.overlap else None
-        if self.overlap:
+        if self.overlap and alone is None:
             done, self._inflight = self._inflight, launched
-        else:
+        else:  # an alone step completes at once: a fault in it surfaces within it
             done = launched
         if done is not None:
             self._complete(done)
+        self.quarantine.ran(self, alone)
         self._release_finished()
         self.timer.lap("release")
         self.stats["step_s"] += time.perf_counter() - t0
@@ -437,15 +440,13 @@ class Scheduler(RequestIntake, PoolState):
                 self.release_held(r)
 
     # -- output -------------------------------------------------------------------------------
-    def fail_running(self, message: str) -> BatchTokenOut | None:
-        """After a step raised: abort every running request with a reason and give back its KV, so
-        the server keeps serving. Slots taken for the failed step were never counted; free them."""
+    def fail_running(self, message: str) -> tuple[BatchTokenOut | None, list[str]]:
+        """After a step raised: end the running requests (`Quarantine.step_failed`) and free their KV and
+        the failed step's slots (never counted). Returns the output and the work tokens to give back."""
         if self._step_slots is not None:
             self.kv.free(self._step_slots)
         self._promised, self._step_slots, self._inflight = 0, None, None
         self.sampling.grammar_mask.drop()
-        for r in self.running:
-            r.extend_len = 0
-            r.finish = r.finish or Abort(message, 500)
+        give_back = self.quarantine.step_failed(self, message)
         self._release_finished()
-        return self.take_output()
+        return self.take_output(), give_back

@@ -4,8 +4,10 @@ dedicated thread (a forward never blocks the event loop), each step's output goe
 Requests come from a work queue (JetStream on NATS): each delivery is kept alive (PROGRESS) while the
 request waits or runs here, and the gateway acknowledges it once it has the final output. If this
 process dies, what it held is delivered again to a live scheduler (a new attempt, from the start).
-A step that fails as a whole ends the running requests with the reason and stops the service: its
-process exits non-zero and its supervisor restarts it, rather than limping on with unknown state.
+A step that fails as a whole stops the service: its process exits non-zero and its supervisor restarts
+it, rather than limping on with unknown state; the running requests go back to the work queue, and run
+alone when delivered again, so that a request that crashes schedulers is found out and ended
+(quarantine.py).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from typing import Any
 import msgspec
 import orjson
 
+from services.scheduler.crash_record import CrashRecord
 from services.scheduler.kv_events import KvEventStream
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.heartbeat import INTERVAL_S, Heartbeat
-from shared.messages import MAX_DELIVERIES, AbortReq, Decoder, GenerateReq, encode, encode_split
+from shared.messages import AbortReq, Decoder, GenerateReq, encode, encode_split
 from shared.model_files import default_model_path, resolve_model_folder
 from shared.transport import NAK, PROGRESS, TERM, Message, Subjects, Subscription, Transport, Work
 
@@ -48,7 +51,10 @@ class SchedulerService:
         self.runner = runner or ModelRunner(
             config, resolve_model_folder(config.model_path, config.load_format != "dummy")
         )
-        self.scheduler = Scheduler(config, self.runner)
+        # who was running alone when this worker died before (in-process nothing dies on its own)
+        record = None if transport.in_process else CrashRecord.for_worker(config)
+        self.scheduler = Scheduler(config, self.runner, record)
+        self._give_back: list[str] = []  # work tokens of a failed step's requests, given back at the stop
         self._inbox: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -122,6 +128,12 @@ class SchedulerService:
         self._wake.set()
         if self._thread:
             await asyncio.to_thread(self._thread.join)
+        self.scheduler.quarantine.stopping(self.scheduler)  # the thread is done: its state is ours
+        for token in self._give_back:  # now that this process no longer takes them: to the next scheduler
+            try:
+                await self.transport.settle_work(token, NAK)
+            except Exception:  # the bus is gone: the work queue delivers them again after ack_wait
+                break
 
     def call(self, fn: Callable[[Scheduler], Any]) -> asyncio.Future:
         """Run fn(scheduler) on the scheduler thread between steps; await the result."""
@@ -156,7 +168,7 @@ class SchedulerService:
             await self.transport.settle_work(work.token, TERM)
             return
         new_tokens = None if self.kv_events is None else self.kv_events.new_tokens(msg.input_ids)
-        self._put(lambda: self.scheduler.add_request(msg, work, MAX_DELIVERIES, new_tokens))
+        self._put(lambda: self.scheduler.add_request(msg, work, new_tokens))
 
     async def _on_abort(self, m: Message) -> None:
         try:
@@ -177,6 +189,7 @@ class SchedulerService:
     def _restart(self, rids: list[str]) -> None:
         """(scheduler thread) Output of these requests was lost: drop them here and give their
         deliveries back, so the work queue runs them again from the start."""
+        self.scheduler.quarantine.gave_back(self.scheduler.known_rids(rids))  # no fault of theirs
         for token in self.scheduler.drop(rids):
             self._publish_soon(self.transport.settle_work(token, NAK))
 
@@ -340,9 +353,10 @@ class SchedulerService:
                 try:
                     out = sched.step(early)
                 except Exception as e:  # the whole step failed (per-request failures end one request)
-                    log.exception("scheduler step failed; ending the running batch and stopping")
+                    log.exception("scheduler step failed; giving the running batch back and stopping")
                     reason = f"scheduler {self.cfg.worker_id} failed: {type(e).__name__}: {e}"
-                    self._send(sched.fail_running(reason))
+                    out, self._give_back = sched.fail_running(reason)
+                    self._send(out)
                     self._fail(reason)
                     return
             else:

@@ -138,6 +138,32 @@ def test_abort_all(srv):
     srv.settle(timeout=10)
 
 
+@pytest.mark.slow
+def test_aborts_reach_only_the_callers_own_requests_and_a_rid_may_be_used_again(srv):
+    """Another client (another token) aborting this rid, or everything, leaves the stream running; its
+    own client's abort ends it, and the same rid sent again at once is a new request that completes
+    (the rid is the client's label: the bus id is the gateway's own)."""
+    rid = f"owned-{uuid.uuid4().hex[:8]}"
+    alice, bob = ({"Authorization": f"Bearer {who}"} for who in ("alice", "bob"))
+    with httpx.Client(base_url=srv.url, timeout=60, headers=alice) as http, \
+            httpx.Client(base_url=srv.url, timeout=60, headers=bob) as other:  # fmt: skip
+        cm, payloads = open_stream(http, {"text": PROMPT, "sampling_params": LONG, "rid": rid})
+        try:
+            wait_for_tokens(payloads, 2)
+            assert other.post("/abort_request", json={"rid": rid}).status_code == 200
+            assert other.post("/abort_request", json={"abort_all": True}).status_code == 200
+            after = wait_for_tokens(payloads, 20)  # still running: bob's aborts found nothing of his
+            assert after["meta_info"]["finish_reason"] is None
+            assert http.post("/abort_request", json={"rid": rid}).status_code == 200
+            chunks, _ = read_to_end(payloads, 3)
+        finally:
+            cm.__exit__(None, None, None)
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        again = generate(http, {"text": PROMPT, "rid": rid, "sampling_params": greedy(4)})
+    assert again["meta_info"]["id"] == rid and again["meta_info"]["finish_reason"]["type"] == "length"
+    srv.settle(timeout=10)
+
+
 def test_abort_request_bad_input_and_unknown_rid(client):
     assert client.post("/abort_request", json={"foo": 1}).status_code == 400
     r = client.post("/abort_request", content=b"{", headers={"content-type": "application/json"})

@@ -1,6 +1,6 @@
-"""`sglbus serve` as a user runs it: one process that starts NATS and the three services, guards the
-bus with a token, restarts what dies or hangs, drains and stops in order on Ctrl-C / SIGTERM, and
-refuses a bad model in one line.
+"""`sglbus serve` as a user runs it: one process that starts NATS and the three services, gives each
+role its own NATS user (a bus-API client gets the bus-api one, which may only ask the API), restarts
+what dies or hangs, drains and stops in order on Ctrl-C / SIGTERM, and refuses a bad model in one line.
 
 One served instance is shared by the module and the tests run in file order: the last one stops it.
 """
@@ -47,7 +47,7 @@ LONG = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}  # never d
 
 
 def private_cache() -> str:
-    """A cache dir of our own (the token file lands there) that reuses the converted default model:
+    """A cache dir of our own (the bus-api password file lands there) that reuses the converted default model:
     links to the shared conversions, so whatever a test converts stays in its own folder."""
     path = tempfile.mkdtemp(prefix="sglbus-serve-test-")
     shared = os.path.join(cache_root(), "gguf")
@@ -137,13 +137,13 @@ def served() -> Iterator[Served]:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def token_path(s: Served) -> str:
-    """The token file of a server on a port other than 4222 (sglbus.serve.token_file)."""
-    return os.path.join(s.cache, f"nats-token-{s.nats_port}")
+def password_path(s: Served) -> str:
+    """The bus-api password file of a server on a port other than 4222 (sglbus.serve.password_file)."""
+    return os.path.join(s.cache, f"nats-bus-api-password-{s.nats_port}")
 
 
-def token_of(s: Served) -> str:
-    with open(token_path(s)) as f:
+def password_of(s: Served) -> str:
+    with open(password_path(s)) as f:
         return f.read().strip()
 
 
@@ -162,16 +162,21 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str) -> float:
 
 # -- what serve prints and writes ----------------------------------------------------------------------
 @pytest.mark.slow
-def test_prints_the_bus_url_and_a_private_token_file(served: Served) -> None:
-    path = token_path(served)
-    line = f"embedded NATS (JetStream on) at nats://127.0.0.1:{served.nats_port} "
+def test_prints_the_bus_url_and_a_private_password_file(served: Served) -> None:
+    path = password_path(served)
+    line = f"embedded NATS (JetStream on) at nats://127.0.0.1:{served.nats_port} (bus clients: user bus-api, "
     assert line in served.out() and path in served.out(), served.out()
     assert os.stat(path).st_mode & 0o777 == 0o600
-    token = token_of(served)
-    assert len(token) >= 16
-    # secrets travel in the environment, not on command lines (`ps` shows those to every user)
+    password = password_of(served)
+    assert len(password) >= 16
+    # secrets travel in the environment, not on command lines (`ps` shows those to every user); each
+    # service connects as its own role, never as the bus API
     for p in psutil.Process(served.proc.pid).children():
-        assert token not in " ".join(p.cmdline()) and API_KEY not in " ".join(p.cmdline())
+        assert password not in " ".join(p.cmdline()) and API_KEY not in " ".join(p.cmdline())
+        if p.name() != "nats-server":
+            role = next(name for name in SERVICES if f"services.{name}" in " ".join(p.cmdline()))
+            env = p.environ()
+            assert env["SGLBUS_NATS_USER"] == role and env["SGLBUS_NATS_PASSWORD"] != password
 
 
 @pytest.mark.slow
@@ -195,9 +200,10 @@ async def _silent(e: Exception) -> None:
     pass
 
 
-async def bus_generate(url: str, token: str | None) -> str:
-    nc = await nats.connect(url, token=token, allow_reconnect=False, max_reconnect_attempts=0,
-                            connect_timeout=5, error_cb=_silent)  # fmt: skip
+async def bus_generate(url: str, password: str | None, user: str = "bus-api") -> str:
+    login = {"user": user, "password": password} if password else {}
+    nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5,
+                            error_cb=_silent, **login)  # fmt: skip
     try:
         body = {
             "text": "The capital of France is",
@@ -210,12 +216,17 @@ async def bus_generate(url: str, token: str | None) -> str:
 
 
 @pytest.mark.slow
-def test_the_bus_needs_the_token(served: Served) -> None:
+def test_the_bus_needs_the_bus_api_password(served: Served) -> None:
     url = f"nats://127.0.0.1:{served.nats_port}"
-    for wrong in (None, "not-the-token"):
+    for wrong in (None, "not-the-password"):
         with pytest.raises(Exception, match="Authorization Violation"):
             asyncio.run(bus_generate(url, wrong))
-    assert asyncio.run(bus_generate(url, token_of(served)))
+    with pytest.raises(Exception, match="Authorization Violation"):  # its password is no other role's
+        asyncio.run(bus_generate(url, password_of(served), user="gateway"))
+    assert asyncio.run(bus_generate(url, password_of(served)))
+    # every service did its job as its own role: no permission was missing (tests/integration/
+    # test_nats_permissions.py tries what the bus-api user may not do)
+    assert "permissions violation" not in served.err().lower(), served.err()[-3000:]
 
 
 def requests_total(served: Served) -> float:
@@ -279,9 +290,9 @@ def test_a_killed_service_is_restarted(served: Served, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_nats_server_is_restarted_on_its_port_with_its_token(served: Served) -> None:
+def test_a_killed_nats_server_is_restarted_on_its_port_with_its_users(served: Served) -> None:
     killed_and_restored(served, "nats-server")
-    assert asyncio.run(bus_generate(f"nats://127.0.0.1:{served.nats_port}", token_of(served)))
+    assert asyncio.run(bus_generate(f"nats://127.0.0.1:{served.nats_port}", password_of(served)))
 
 
 def read_sse(
@@ -387,7 +398,7 @@ def test_ctrl_c_stops_everything_in_order_and_quietly(served: Served) -> None:
     before = len(served.err())
     os.killpg(served.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     assert served.proc.wait(60) == 0
-    assert not os.path.exists(token_path(served))  # its token went with it
+    assert not os.path.exists(password_path(served))  # its password went with it
     log = served.err()[before:]
     steps = ["stopping gateway, gateway\n", "stopping scheduler, detokenizer", "stopping nats-server"]
     at = [log.find(step) for step in steps]

@@ -15,7 +15,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from services.gateway.config import GatewayConfig
-from services.gateway.http_app import ApiKeyAuth, build_app
+from services.gateway.http_app import build_app
+from services.gateway.http_auth import AuthGate
 
 KEY = "k3y-for-tests"
 
@@ -33,7 +34,7 @@ def app_with_key() -> Starlette:
 
     routes = [Route("/health", ok), Route("/health_generate", ok), Route("/generate", ok, methods=["POST"]),
               Route("/stream", stream)]  # fmt: skip
-    return Starlette(routes=routes, middleware=[Middleware(ApiKeyAuth, api_key=KEY)])
+    return Starlette(routes=routes, middleware=[Middleware(AuthGate, api_key=KEY)])
 
 
 @pytest.fixture
@@ -118,3 +119,57 @@ def test_allowed_hosts_extend_what_a_loopback_server_answers():
     assert TestClient(app("llm.internal"), base_url="http://evil.example").get("/x").status_code == 403
     assert TestClient(app("*"), base_url="http://anything.example").get("/x").status_code == 200
     assert TestClient(app(None), base_url="http://[::1]:30000").get("/x").status_code == 200
+
+
+ADMIN = "adm1n-for-tests"
+
+
+def app_with_admin(api_key: str | None) -> Starlette:
+    from services.gateway.http_auth import caller_of
+
+    async def who(request: Request) -> Response:
+        c = caller_of(request.scope)
+        return PlainTextResponse(f"{c.owner} {c.admin}")
+
+    routes = [Route("/flush_cache", who, methods=["GET", "POST"]), Route("/generate", who, methods=["POST"])]
+    return Starlette(routes=routes, middleware=[Middleware(AuthGate, api_key=api_key, admin_api_key=ADMIN)])
+
+
+@pytest.mark.parametrize("api_key", [None, KEY])
+def test_flush_cache_needs_the_admin_key_when_one_is_set(api_key: str | None) -> None:
+    http = TestClient(app_with_admin(api_key), base_url="http://127.0.0.1")
+    r = http.post("/flush_cache")
+    assert r.status_code == 401 and "admin key" in r.json()["error"]["message"]
+    r = http.post("/flush_cache", headers={"Authorization": f"Bearer {KEY}"})  # the API key is not it
+    assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
+    r = http.post("/flush_cache", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and r.text.endswith(" True")
+    # the admin key is accepted where the API key is, and marks its holder
+    assert http.post("/generate", headers={"Authorization": f"Bearer {ADMIN}"}).text.endswith(" True")
+
+
+def test_the_owner_is_the_callers_address_and_token() -> None:
+    """Clients with different tokens (or none) own different requests; the same token from the same
+    address is the same owner on every connection; the token itself never appears in it."""
+    http = TestClient(app_with_admin(None), base_url="http://127.0.0.1")
+    owners = [http.post("/generate", headers=h).text.split()[0]
+              for h in ({}, {"Authorization": "Bearer a"}, {"Authorization": "Bearer b"},
+                        {"Authorization": "Bearer a"})]  # fmt: skip
+    assert owners[1] == owners[3] and len({*owners[:3]}) == 3
+    assert all(o.startswith("testclient/") for o in owners) and not any(o.endswith("/a") for o in owners)
+    assert http.post("/generate", headers={"Authorization": "Bearer a"}).text.endswith(" False")
+
+
+def test_an_empty_post_labelled_octet_stream_passes_and_forms_do_not() -> None:
+    """aiohttp labels an empty POST application/octet-stream (its flush_cache call); a browser must
+    ask before it sends that type, so it is no CSRF route. A form or text/plain POST, empty or not,
+    and an octet-stream body stay a 415."""
+    from services.gateway.http_guard import RequestGuard
+
+    ok = Route("/flush_cache", lambda request: PlainTextResponse("ok"), methods=["POST"])
+    http = TestClient(Starlette(routes=[ok], middleware=[Middleware(RequestGuard, bound_to="127.0.0.1")]),
+                      base_url="http://127.0.0.1")  # fmt: skip
+    assert http.post("/flush_cache", headers={"content-type": "application/octet-stream"}).status_code == 200
+    for kind, body in (("text/plain", b""), ("application/x-www-form-urlencoded", b""),
+                       ("application/octet-stream", b"{}"), ("text/plain", b"{}")):  # fmt: skip
+        assert http.post("/flush_cache", content=body, headers={"content-type": kind}).status_code == 415

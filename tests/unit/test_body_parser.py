@@ -130,3 +130,24 @@ def test_a_cancelled_parse_leaves_no_answer_for_the_next_body():
 
     b, code = asyncio.run(run())
     assert b.prompts[0].input_ids == [7] and code == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_prompts_times_n_past_the_bound_is_refused_before_the_prompts_are_built(size: str) -> None:
+    """250,000 prompts with n 128 (a 1 MiB body) is answered from the counts alone, in place and in
+    the child, so the gateway never builds 250,000 prompts to refuse them."""
+    obj = {"input_ids": [[1]] * 250_000, "sampling_params": {"n": 128}}
+    body = orjson.dumps(obj) + (PAD if size == "large" else b"")
+
+    async def run():
+        bodies = BodyParser(VOCAB, max_states=4096, child_bytes=1 << 20)
+        try:
+            return await bodies.parse(body)
+        finally:
+            await bodies.stop()
+
+    _, parsed = asyncio.run(run())
+    assert isinstance(parsed, ValueError)
+    assert "at most 4096 prompts x n" in str(parsed) and "250000 x 128 = 32000000" in str(parsed)
+    _, fine = parse(orjson.dumps({"input_ids": [[1]] * 32, "sampling_params": {"n": 128}}), max_states=4096)
+    assert not isinstance(fine, ValueError) and len(fine.prompts) == 32

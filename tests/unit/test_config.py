@@ -167,21 +167,23 @@ def test_log_level_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> 
         p.parse_args([])
 
 
-def test_the_token_file_is_named_for_a_port_other_than_the_default(monkeypatch, tmp_path):
-    from sglbus.serve import DEFAULT_NATS_PORT, token_file
+def test_the_password_file_is_named_for_a_port_other_than_the_default(monkeypatch, tmp_path):
+    from sglbus.serve import DEFAULT_NATS_PORT, password_file
 
     monkeypatch.setenv("SGLBUS_CACHE_DIR", str(tmp_path))
-    assert token_file(DEFAULT_NATS_PORT) == str(tmp_path / "nats-token")  # what the README's clients read
-    assert token_file(5222) == str(tmp_path / "nats-token-5222")  # a second server leaves that one alone
+    # what the README's bus clients read
+    assert password_file(DEFAULT_NATS_PORT) == str(tmp_path / "nats-bus-api-password")
+    # a second server leaves that one alone
+    assert password_file(5222) == str(tmp_path / "nats-bus-api-password-5222")
 
 
-def test_a_server_removes_only_its_own_token_file(monkeypatch, tmp_path):
-    from sglbus.serve import _forget_token, _write_token_file, token_file
+def test_a_server_removes_only_its_own_password_file(monkeypatch, tmp_path):
+    from sglbus.serve import _forget_password, _write_password_file, password_file
 
     monkeypatch.setenv("SGLBUS_CACHE_DIR", str(tmp_path))
-    _write_token_file("later-server", 5222)  # another server took the port since
-    _forget_token("this-server", 5222)
-    assert open(token_file(5222)).read().strip() == "later-server"
-    _forget_token("later-server", 5222)
-    assert not (tmp_path / "nats-token-5222").exists()
-    _forget_token("later-server", 5222)  # already gone: nothing to do
+    _write_password_file("later-server", 5222)  # another server took the port since
+    _forget_password("this-server", 5222)
+    assert open(password_file(5222)).read().strip() == "later-server"
+    _forget_password("later-server", 5222)
+    assert not (tmp_path / "nats-bus-api-password-5222").exists()
+    _forget_password("later-server", 5222)  # already gone: nothing to do

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from services.gateway.fanout import FanOut, combine_server_info, gather
-from services.gateway.http_app import OPEN_PATHS, ApiKeyAuth
+from services.gateway.http_auth import OPEN_PATHS, AuthGate
 from services.gateway.metrics import GatewayMetrics, checked_snapshot, metrics_route, scheduler_families
 from shared.messages import BatchTextOut, Decoder, TextOut, encode_split
 from shared.metrics import GRAMMAR_COMPILE_BUCKETS, BucketCounts
@@ -229,7 +229,7 @@ def test_metrics_needs_the_api_key() -> None:
     assert "/metrics" not in OPEN_PATHS
     gw = SimpleNamespace(metrics=GatewayMetrics("m", dict))
     app = Starlette(
-        routes=[Route("/metrics", metrics_route(gw))], middleware=[Middleware(ApiKeyAuth, api_key="k")]
+        routes=[Route("/metrics", metrics_route(gw))], middleware=[Middleware(AuthGate, api_key="k")]
     )
     http = TestClient(app, base_url="http://127.0.0.1")
     assert http.get("/metrics").status_code == 401

@@ -65,9 +65,9 @@ async def _deliver(rm: RequestManager, *outs: TextOut) -> None:
     await rm._on_text(Message(rm.out_subject, encode(BatchTextOut(outs=list(outs), worker="w0"))))
 
 
-async def _submit(rm: RequestManager, rid: str, n: int = 1) -> list[RequestState]:
+async def _submit(rm: RequestManager, rid: str, n: int = 1, owner: str = "") -> list[RequestState]:
     req = parse_generate_input({"input_ids": [1, 2, 3], "rid": rid, "sampling_params": {"n": n}})
-    return await rm.submit(req)
+    return await rm.submit(req, owner)
 
 
 def test_a_stream_failed_while_its_worker_was_down_has_its_new_attempt_aborted_once_then_settled(rm, bus):
@@ -77,6 +77,7 @@ def test_a_stream_failed_while_its_worker_was_down_has_its_new_attempt_aborted_o
 
     async def run():
         (st,) = await _submit(rm, "r1")
+        r1 = st.rid  # the bus's id for it (the client's rid is its label)
         events = []
 
         async def client():
@@ -84,18 +85,18 @@ def test_a_stream_failed_while_its_worker_was_down_has_its_new_attempt_aborted_o
                 events.append(event)
 
         reader = asyncio.ensure_future(client())
-        await _deliver(rm, _out("r1", 0))
+        await _deliver(rm, _out(r1, 0))
         await asyncio.sleep(0)
-        rm.fail("worker w0 is down", ["r1"])  # the gateway's liveness check (service.py)
-        await rm.abort(["r1"])
+        rm.fail("worker w0 is down", [r1])  # the gateway's liveness check (service.py)
+        await rm.abort([r1])
         await reader
         assert events[-1].finish == Abort("worker w0 is down", 503) and rm.in_flight == 0
-        assert bus.aborted("r1") == 1  # the liveness check's, lost with the stopped scheduler
-        await _deliver(rm, _out("r1", 0, attempt=2))  # the restarted scheduler runs it again
-        assert bus.aborted("r1") == 2
-        await _deliver(rm, _out("r1", 1, attempt=2), _out("r1", 2, attempt=2))
-        assert bus.aborted("r1") == 2  # once per attempt, not per output
-        await _deliver(rm, _out("r1", 3, attempt=2, finish=Abort("aborted"), token="t2"))
+        assert bus.aborted(r1) == 1  # the liveness check's, lost with the stopped scheduler
+        await _deliver(rm, _out(r1, 0, attempt=2))  # the restarted scheduler runs it again
+        assert bus.aborted(r1) == 2
+        await _deliver(rm, _out(r1, 1, attempt=2), _out(r1, 2, attempt=2))
+        assert bus.aborted(r1) == 2  # once per attempt, not per output
+        await _deliver(rm, _out(r1, 3, attempt=2, finish=Abort("aborted"), token="t2"))
         assert ("t2", ACK) in bus.settled
 
     asyncio.run(run())
@@ -107,15 +108,16 @@ def test_a_forgotten_request_is_aborted_again_only_by_a_later_attempt(rm, bus):
 
     async def run():
         (st,) = await _submit(rm, "r2")
-        await _deliver(rm, _out("r2", 0))
+        r2 = st.rid
+        await _deliver(rm, _out(r2, 0))
         stream = rm.stream([st])
         await anext(stream)
         await stream.aclose()  # the client went away
-        assert bus.aborted("r2") == 1
-        await _deliver(rm, _out("r2", 1), _out("r2", 2))
-        assert bus.aborted("r2") == 1
-        await _deliver(rm, _out("r2", 0, attempt=2))
-        assert bus.aborted("r2") == 2
+        assert bus.aborted(r2) == 1
+        await _deliver(rm, _out(r2, 1), _out(r2, 2))
+        assert bus.aborted(r2) == 1
+        await _deliver(rm, _out(r2, 0, attempt=2))
+        assert bus.aborted(r2) == 2
         assert not bus.settled  # nothing finished yet: no token to settle
 
     asyncio.run(run())
@@ -138,9 +140,10 @@ def test_an_unknown_rid_on_our_subject_is_aborted_once_and_settled_when_it_ends(
 def test_output_of_a_request_still_waited_for_is_never_aborted(rm, bus):
     async def run():
         (st,) = await _submit(rm, "r3")
-        await _deliver(rm, _out("r3", 0), _out("r3", 1))
-        await _deliver(rm, _out("r3", 0, attempt=2))  # a restart it can take: not streamed yet
-        await _deliver(rm, _out("r3", 1, attempt=2, finish=Length(2), token="t"))
+        r3 = st.rid
+        await _deliver(rm, _out(r3, 0), _out(r3, 1))
+        await _deliver(rm, _out(r3, 0, attempt=2))  # a restart it can take: not streamed yet
+        await _deliver(rm, _out(r3, 1, attempt=2, finish=Length(2), token="t"))
         (done,) = await rm.wait([st])
         return done
 
@@ -206,6 +209,76 @@ def test_one_request_cannot_ask_for_millions_of_states_and_a_full_gateway_sheds_
             await _deliver(rm, _out(st.rid, 0, finish=Length(1), token="t"))
         await rm.wait(first)
         assert len(await _submit(rm, "later")) == 1  # room again
+
+    try:
+        asyncio.run(run())
+    finally:
+        rm._pool.shutdown(wait=True)
+
+
+def test_the_bus_id_is_the_gateways_own_and_the_clients_rid_a_label(rm, bus):
+    """Two clients may use the same rid, and a rid used again once its request ended is a new
+    request with a new bus id (never one an old abort or a stray output still names); one client
+    cannot run two requests with the same rid at once."""
+
+    async def run():
+        (a,) = await _submit(rm, "same", owner="10.0.0.1/-")
+        (b,) = await _submit(rm, "same", owner="10.0.0.2/-")
+        assert a.label == b.label == "same" and a.rid != b.rid
+        assert a.rid.startswith("gw-") and b.rid.rsplit("-", 1)[0] == a.rid.rsplit("-", 1)[0]  # one boot
+        with pytest.raises(ValueError, match="rid 'same' is already in use"):
+            await _submit(rm, "same", owner="10.0.0.1/-")
+        await _deliver(rm, _out(a.rid, 0, finish=Length(1), token="t"))
+        await rm.wait([a])
+        (again,) = await _submit(rm, "same", owner="10.0.0.1/-")  # ended: the rid is free again
+        assert again.rid not in (a.rid, b.rid)
+        return a, b
+
+    a, b = asyncio.run(run())
+    assert {r for m in bus.aborts for r in m.rids} == set()
+
+
+def test_aborts_reach_only_the_callers_own_requests(rm, bus):
+    """By rid or `abort_all`, a caller ends its own requests; another client's with the same rid, or
+    any other, run on; the admin (owner None) reaches everyone's. A batch's or n > 1's rid ends its
+    members (`rid_<i>`)."""
+    me, other = "10.0.0.1/abc", "10.0.0.2/-"
+
+    async def run():
+        (mine,) = await _submit(rm, "x", owner=me)
+        (theirs,) = await _submit(rm, "x", owner=other)
+        (theirs2,) = await _submit(rm, "y", owner=other)
+        samples = await _submit(rm, "g", n=2, owner=me)
+        assert await rm.abort_owned(me, "nope") == 0 and not bus.aborts
+        assert await rm.abort_owned(me, "y") == 0  # another client's rid: not found for me
+        assert await rm.abort_owned(me, "x") == 1
+        assert bus.aborts[-1].rids == [mine.rid]
+        assert await rm.abort_owned(me, "g") == 3  # its two samples and their shared prefill
+        assert set(bus.aborts[-1].rids) == {m.rid for m in samples[0].group}
+        assert await rm.abort_owned(me, None) >= 1  # abort_all: mine only
+        assert not {theirs.rid, theirs2.rid} & {r for m in bus.aborts for r in m.rids}
+        assert await rm.abort_owned(None, "x") == 2  # the admin: both clients' "x"
+        assert theirs.rid in bus.aborts[-1].rids
+        assert await rm.abort_owned(None, None) == len(rm.active_rids())
+
+    asyncio.run(run())
+
+
+def test_a_client_past_its_own_bound_gets_a_429_while_others_are_served(bus):
+    rm = RequestManager(
+        None, bus, "sglbus", VOCAB, gateway_id="gw", max_inflight=100, max_inflight_per_client=4
+    )
+
+    async def run():
+        mine = [await _submit(rm, f"m{i}", owner="10.0.0.1/-") for i in range(4)]
+        with pytest.raises(request_manager.OverClientLimit, match="max_inflight_per_client 4") as e:
+            await _submit(rm, "m4", owner="10.0.0.1/-")
+        assert e.value.status == 429
+        assert len(await _submit(rm, "other", owner="10.0.0.2/-")) == 1  # another client is served
+        (st,) = mine[0]
+        await _deliver(rm, _out(st.rid, 0, finish=Length(1), token="t"))
+        await rm.wait([st])
+        assert len(await _submit(rm, "m4", owner="10.0.0.1/-")) == 1  # room again
 
     try:
         asyncio.run(run())

@@ -170,3 +170,33 @@ async def test_a_report_sent_mid_burst_keeps_what_is_still_on_its_way() -> None:
     await Fleet(router, ["0", "1"]).report("0", load=WorkerLoad(running=1, received=1))
     assert router._load("0").requests == 4
     assert sorted(router.route(p).worker for p in prompts[8:]) == ["0"] * 3 + ["1"] * 3
+
+
+async def test_gateways_that_hear_no_note_during_a_burst_agree_through_claims() -> None:
+    """As measured with two gateways on one machine: each routes its whole share of a burst before it
+    handles a RouteNote of the other. Different load pictures (here: each one's own routed requests)
+    then put a group's first requests on one worker per gateway; a claim on the bus (the first
+    gateway's choice for a new prefix holds) keeps every group on one worker. Requests routed on a
+    proposal that lost the claim follow it, and the loads count them where they went."""
+    workers = ["0", "1", "2", "3"]
+
+    async def burst(peers: int) -> tuple[dict[int, set[str]], list[Router]]:
+        bus = InProcessTransport()  # no start(): the notes never arrive
+        routers = [Router("cache_aware", bus, Subjects(), lambda: workers, name=n, peers=lambda: peers)
+                   for n in ("a", "b")]  # fmt: skip
+        where: dict[int, set[str]] = {}
+        for i, (g, prompt) in enumerate(workload(16, 8, system_len=1024, seed=3)):
+            router = routers[(i // 3) % 2]  # uneven shares: their pictures differ
+            route = router.route(prompt)
+            await router.agree(route)
+            where.setdefault(g, set()).add(route.worker)
+        return where, routers
+
+    split, _ = await burst(peers=0)  # no other gateway known: no claims, each decides alone
+    assert sum(len(w) > 1 for w in split.values()) > 0
+    whole, routers = await burst(peers=1)
+    assert all(len(w) == 1 for w in whole.values()), whole
+    for r in routers:  # each request counted once, on the worker it went to
+        assert sum(r.per_worker.values()) == sum(len(ld.transit) for ld in r._loads.values())
+        assert sum(r._load(w).transit_tokens for w in workers) == sum(t for ld in r._loads.values()
+                                                                     for _, t in ld.transit)  # fmt: skip

@@ -21,7 +21,7 @@ from services.scheduler.sampling.sampler import sample
 from services.scheduler.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.finish import as_dict
-from shared.messages import GenerateReq, LogprobReq
+from shared.messages import MAX_CRASHES, GenerateReq, LogprobReq
 from shared.sampling_params import SamplingParams
 
 V, EOS, POISON = 64, 2, 63  # POISON: the fake model answers it with NaN logits
@@ -408,24 +408,27 @@ def test_ready_output_goes_out_after_the_next_launch_and_nothing_changes(overlap
 
 
 def test_a_late_redelivery_of_a_running_request_is_not_taken_for_a_poison_request():
-    """Past max_deliveries a request is refused (it took every scheduler that ran it down), unless it
+    """A request that crashed schedulers MAX_CRASHES times is refused when delivered again, unless it
     runs here: then a keep-alive came late on a busy machine, and it keeps going."""
     sched = make()
     delivery = lambda n: SimpleNamespace(token="tok", deliveries=n)  # noqa: E731
-    sched.add_request(msg("here", [5, 6], max_new_tokens=4), delivery(1), max_deliveries=3)
+    sched.add_request(msg("here", [5, 6], max_new_tokens=4), delivery(1))
     outs = []
     if (out := sched.step(outs.append)) is not None:
         outs.append(out)
     first = [
         t for o in outs for rid, toks in zip(o.rids, o.token_ids, strict=True) if rid == "here" for t in toks
     ]
-    sched.add_request(msg("here", [5, 6], max_new_tokens=4), delivery(4), max_deliveries=3)
-    sched.add_request(msg("crashed", [8, 9]), delivery(4), max_deliveries=3)
+    for rid in ("here", "crashed"):
+        for _ in range(MAX_CRASHES):
+            sched.quarantine.record.charge(rid)
+    sched.add_request(msg("here", [5, 6], max_new_tokens=4), delivery(4))
+    sched.add_request(msg("crashed", [8, 9]), delivery(4))
     got = run(sched)
     assert first + got["here"]["tokens"] == expected([5, 6])
     assert got["here"]["finish"] == {"type": "length", "length": 4}
     assert got["crashed"]["tokens"] == [] and got["crashed"]["finish"]["status_code"] == 500
-    assert "delivered 4 times" in got["crashed"]["finish"]["message"]
+    assert f"crashed the scheduler {MAX_CRASHES} times" in got["crashed"]["finish"]["message"]
 
 
 def output_side(parts: list) -> dict[str, np.ndarray]:

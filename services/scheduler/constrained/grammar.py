@@ -2,6 +2,8 @@
 
     spec = GrammarSpec("json_schema", '{"type": "object", ...}')     also "regex", "ebnf"
     compiled = grammars.get(spec)          cached by (kind, text); compiled on a worker thread
+    prepared = backend.prepare(spec)       the checks and a trial compile, in a worker process that a
+    compiled = backend.load(prepared)      timeout kills (admission.py); then the compile here
     matcher = compiled.matcher()           one per request: its own parser state
     matcher.fill_bitmask(row)              allowed next tokens, one bit per token id (int32 words)
     matcher.accept(ts)                     advance over all of ts, or none: False when one is not allowed
@@ -18,7 +20,8 @@
 
 A grammar that does not compile raises GrammarError with the library's message (a 400 for the
 request); a compile past `timeout_s` raises GrammarError too, and the request ends while the compile
-finishes in the background (its result is cached for the next request with the same grammar).
+runs on until its worker process is killed at the same timeout (the failure is cached: the same text
+fails again at once).
 """
 
 from __future__ import annotations
@@ -205,10 +208,22 @@ class Retokenizer(ABC):
 
 class GrammarBackend(Retokenizer):
     """A grammar library on the model's tokenizer: compiles grammars (GrammarError when one cannot be
-    used) and retokenizes (llguidance_backend.py, xgrammar_backend.py)."""
+    used) and retokenizes (llguidance_backend.py, xgrammar_backend.py). A compile is two halves:
+    `prepare`, every check and a trial of the library's compile, which may run in another process with
+    a backend built alike (it returns something that pickles), and `load`, in the process that decodes:
+    at most the work that the trial finished (the compiled grammars do not cross processes cheaply)."""
 
     @abstractmethod
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar: ...
+    def prepare(self, spec: GrammarSpec) -> object:
+        """Every check, and the library's compile; GrammarError when the grammar cannot be used."""
+
+    @abstractmethod
+    def load(self, prepared: object) -> CompiledGrammar:
+        """The compiled grammar from what `prepare` returned (here or in another process)."""
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Both halves here (no timeout can stop them: admission.py runs `prepare` in a worker)."""
+        return self.load(self.prepare(spec))
 
     @abstractmethod
     def decode_bytes(self, tokens: list[int]) -> bytes:
@@ -284,7 +299,9 @@ class GrammarCache:
         try:
             return fut.result(timeout=timeout_s)
         except TimeoutError:
-            raise GrammarError(f"compiling the {spec.kind} took longer than {timeout_s:g} s") from None
+            raise GrammarError(
+                f"compiling the {spec.kind} took longer than {timeout_s:g} s; simplify it"
+            ) from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -8,6 +8,14 @@ request gets a deep copy (cheaper than building it again). A grammar that accept
 refused at compile (grammar_finite.py), as in the gateway; should one get past that (a Lark grammar, which
 the check does not read), llguidance's parser gives up on it ("Too many items"), and the request ends
 with a 400 that says so, without llguidance's parser dump.
+
+Its cost is bounded by llguidance's own limits besides our checks (grammar_limits.py) and the compile's
+timeout: `LLParserLimits` gives the lexer fuel to build (1,000,000, ~20 ms) and per mask (200,000,
+~14 ms), at most 50,000 Earley items a step, 250,000 lexer states and 500,000 grammar symbols; past
+one the matcher errs and its request ends. Its forced tokens stop by themselves (`compute_ff_tokens`
+gave at most ~62,500 tokens for a million forced characters, in 0.4 s).
+`prepare` (in the compile worker) checks the grammar and builds a matcher once; `load` builds it again
+from the grammar text here, which finished within the timeout there (it releases the GIL meanwhile).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from services.scheduler.constrained.grammar import (
     tokenizer_text,
 )
 from shared.grammar_finite import never_ends
+from shared.grammar_limits import check_grammar_cost
 from shared.grammar_text import grammar_text, one_line
 
 _EXECUTOR = None
@@ -125,8 +134,10 @@ class LLGuidanceBackend(GrammarBackend):
         ]
         self._known = min(vocab_size, max((i for i in ids if isinstance(i, int)), default=vocab_size - 1) + 1)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def prepare(self, spec: GrammarSpec) -> tuple[str, str]:
+        """(kind, llguidance's grammar text), checked, its matcher built once."""
         try:
+            check_grammar_cost(spec.kind, spec.text)
             text = grammar_text(spec.kind, spec.text)
         except ValueError as e:
             raise GrammarError(str(e)) from None
@@ -136,10 +147,18 @@ class LLGuidanceBackend(GrammarBackend):
         error = self._llg.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(error)}")
+        self._matcher(spec.kind, text)
+        return spec.kind, text
+
+    def load(self, prepared: object) -> CompiledGrammar:
+        kind, text = prepared  # type: ignore[misc]
+        return LLGuidanceGrammar(self._matcher(kind, text), (self.vocab_size + 31) // 32)
+
+    def _matcher(self, kind: str, text: str):
         m = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
-            raise GrammarError(f"sampling_params.{spec.kind} is invalid: {one_line(m.get_error())}")
-        return LLGuidanceGrammar(m, (self.vocab_size + 31) // 32)
+            raise GrammarError(f"sampling_params.{kind} is invalid: {one_line(m.get_error())}")
+        return m
 
     def decode_bytes(self, tokens: list[int]) -> bytes:
         return self.tokenizer.decode_bytes(tokens)

@@ -15,6 +15,17 @@ string or a regex's `.` takes them, and an end token counts as the ten character
 request's regex is given as Python's `re` reads it (grammar_regex.py) and its JSON schema without the
 keywords xgrammar would silently ignore (grammar_schema.py: refused, or rewritten where that is plain);
 xgrammar's normalized grammar is then checked for rules that never end (grammar_finite.py) before it compiles.
+
+xgrammar has no limits of its own, and its compile holds the GIL (the step loop ran at a fifth of its
+pace beside one): `prepare` runs in the compile worker (admission.py), checks, and compiles once as a
+trial that its timeout kills (a 551-character regex took 74 s), refusing one past 64 MB in memory;
+`load` compiles it again here, which took about as long there, within the timeout. (Handing the
+compiled grammar over costs more: a 300-property schema that compiles in 0.07 s serializes to 94 MB,
+which took 4.7 s to load.) Its jump-forward string is computed whole, on the step loop: the
+normalized grammar is refused when a part of it needs more than 100,000 characters (grammar_limits.py:
+2^40 forced characters allocated 18 GB in a minute), and a repeat with a large minimum and no maximum,
+`x{m,}` (a JSON array's minItems), goes to xgrammar as `x{m,m} x*`, which means the same: its forced
+string took time quadratic in m (26 s for minItems 10,000; 30 ms for 100,000 so written).
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ from services.scheduler.constrained.grammar import (
     check_round_trip,
     tokenizer_text,
 )
-from shared.grammar_finite import grammar_never_ends
+from shared.grammar_finite import grammar_never_ends, longest_needed
+from shared.grammar_limits import check_grammar_cost, check_needed
 from shared.grammar_regex import python_regex
 from shared.grammar_schema import load_schema, xgrammar_schema
 from shared.grammar_text import KINDS
@@ -52,6 +64,13 @@ _ACCEPT_TOKENS = 256
 _accept_pool: ThreadPoolExecutor | None = None
 _ENCODE_CACHE = 1 << 16  # texts whose tokens are kept (forced strings, retokenized tails)
 _LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: ")  # "[09:24:51] /project/cpp/x.cc:94: " in messages
+MAX_COMPILED_BYTES = 64 << 20  # a compiled grammar's memory (its adaptive token masks), 57 MB serialized
+_UNBOUNDED_FROM = 16  # x{m,} with m from here on is given as x{m,m} x*
+# the normalized grammar a token at a time: a literal, a class, a name (maybe with a repeat {m, -1}), or
+# any other character, so that nothing inside a literal or a class is read as a repeat
+_ATOM = re.compile(
+    r'("(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][\w.\-]*)(?:\{(\d+), -1\})?|.', re.DOTALL
+)
 
 
 class XGrammarMatcher(Matcher):
@@ -244,19 +263,19 @@ class XGrammarBackend(GrammarBackend):
             return b"".join(map(table.__getitem__, tokens))
         return b"".join(table[t] if t < len(table) else b"" for t in tokens)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def prepare(self, spec: GrammarSpec) -> tuple[str, str, str | None]:
         """Prepared for xgrammar (ours: a 400 naming the field), parsed, its normalized grammar checked
-        for rules that never end (their jump-forward string is endless), compiled."""
+        for rules that never end (their jump-forward string is endless) or that force too much,
+        compiled; (kind, what xgrammar parses, the grammar text to compile instead or None) for `load`."""
         if spec.kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
         try:
+            check_grammar_cost(spec.kind, spec.text)
             source = _source(spec)
         except ValueError as e:
             raise GrammarError(str(e)) from None
-        g = self.xgr.Grammar
-        parse = {"regex": g.from_regex, "ebnf": g.from_ebnf}.get(spec.kind)
         try:
-            grammar = parse(source) if parse else g.from_json_schema(source, any_whitespace=False)
+            grammar = self._parsed(spec.kind, source)
             text = str(grammar)
         except Exception as e:  # xgrammar's parse errors (RuntimeError)
             raise GrammarError(f"sampling_params.{spec.kind} is invalid: {library_message(e)}") from None
@@ -264,15 +283,34 @@ class XGrammarBackend(GrammarBackend):
         if why:
             raise GrammarError(why)
         try:
-            if spec.kind == "json_schema":
-                # xgrammar 0.2.9 lets a string with maxLength hold raw control characters, which
-                # JSON forbids (json.loads refuses them): its grammar text, with them excluded
-                compiled = self.compiler.compile_grammar(text.replace(_LENGTH_LIMITED_CHAR, _JSON_CHAR))
-            else:
-                compiled = self.compiler.compile_grammar(grammar)
+            check_needed(spec.kind, longest_needed(text))
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
+        # xgrammar 0.2.9 lets a string with maxLength hold raw control characters, which JSON forbids
+        # (json.loads refuses them): its grammar text, with them excluded
+        own = text.replace(_LENGTH_LIMITED_CHAR, _JSON_CHAR) if spec.kind == "json_schema" else text
+        own = bounded_repeats(own)
+        # the parsed grammar when its text changed nothing: its str() writes a "\0" as "" (a regex's \x00)
+        size = self._compiled(spec.kind, grammar if own == text else own).memory_size_bytes
+        if size > MAX_COMPILED_BYTES:
+            raise GrammarError(f"sampling_params.{spec.kind} compiles to {size >> 20} MB; at most "
+                               f"{MAX_COMPILED_BYTES >> 20} MB (fewer distinct parts)")  # fmt: skip
+        return spec.kind, source, None if own == text else own
+
+    def load(self, prepared: object) -> CompiledGrammar:
+        kind, source, own = prepared  # type: ignore[misc]
+        return XGrammarGrammar(self._compiled(kind, self._parsed(kind, source) if own is None else own), self)
+
+    def _parsed(self, kind: str, source: str):
+        g = self.xgr.Grammar
+        parse = {"regex": g.from_regex, "ebnf": g.from_ebnf}.get(kind)
+        return parse(source) if parse else g.from_json_schema(source, any_whitespace=False)
+
+    def _compiled(self, kind: str, grammar):
+        try:
+            return self.compiler.compile_grammar(grammar)
         except Exception as e:
-            raise GrammarError(f"sampling_params.{spec.kind} is invalid: {library_message(e)}") from None
-        return XGrammarGrammar(compiled, self)
+            raise GrammarError(f"sampling_params.{kind} is invalid: {library_message(e)}") from None
 
     def retokenize(self, tokens: list[int]) -> list[int] | None:
         return self.retokenize_all([tokens])[0]
@@ -306,6 +344,61 @@ def _source(spec: GrammarSpec) -> str:
     if spec.kind == "json_schema":
         return json.dumps(xgrammar_schema(load_schema(spec.text)))
     return spec.text
+
+
+def bounded_repeats(ebnf: str) -> str:
+    """xgrammar's normalized grammar with each `x{m, -1}` (m >= _UNBOUNDED_FROM) whose x matches just
+    one string written `x{m, m} x*`. Only those: their jump-forward walks all m copies (quadratic in m),
+    while a repeat of a class is not forced, and xgrammar compiles it as it is far faster (0.01 s
+    against 0.4 s for a string's minLength 20)."""
+    if ", -1}" not in ebnf:
+        return ebnf
+    fixed = _one_string_rules(ebnf)
+    out = []
+    for t in _ATOM.finditer(ebnf):
+        atom, least = t.group(1), t.group(2)
+        if least is not None and int(least) >= _UNBOUNDED_FROM and (atom[0] == '"' or atom in fixed):
+            out.append(f"{atom}{{{least}, {least}}} {atom}*")
+        else:
+            out.append(t.group())
+    return "".join(out)
+
+
+def _one_string_rules(ebnf: str) -> set[str]:
+    """The rules of a normalized grammar (one a line) that match exactly one string: their bodies are
+    literals, groups and such rules (no alternative, class, repeat or recursion; a closing lookahead
+    aside). Each rule is settled once, after the rules it uses (linear in the grammar)."""
+    waits: dict[str, set[str]] = {}  # a rule made of literals and names -> the names not settled yet
+    for line in ebnf.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if not sep:
+            continue
+        names, plain = set(), True
+        for t in _ATOM.finditer(body):
+            x = t.group()
+            if t.group(2) is not None or x[0] in "[|*+?{":
+                plain = False
+                break
+            if x == "(" and body[t.end() : t.end() + 1] == "=":  # the lookahead that ends a rule
+                break
+            if t.group(1) is not None and x[0] != '"':
+                names.add(x)
+        if plain:
+            waits[name.strip()] = names
+    users: dict[str, list[str]] = {}
+    for name, names in waits.items():
+        for n in names:
+            users.setdefault(n, []).append(name)
+    done = [n for n, names in waits.items() if not names]
+    fixed = set(done)
+    while done:
+        settled = done.pop()
+        for user in users.get(settled, ()):
+            waits[user].discard(settled)
+            if not waits[user] and user not in fixed:
+                fixed.add(user)
+                done.append(user)
+    return fixed
 
 
 def library_message(e: Exception) -> str:
