@@ -179,6 +179,7 @@ class NatsTransport(Transport):
             await asyncio.sleep(0.05)
         nc = Client()
         transport = cls(nc, name, stream_replicas)
+        transport.where = ",".join(redact_url(s) for s in servers)
         transport._refused = asyncio.get_running_loop().create_future()
         try:
             # With max_reconnect_attempts=-1 even the first connect retries forever: bound it, and

@@ -129,6 +129,7 @@ class Transport(ABC):
     max_payload: int = 1 << 62
     # publisher and subscribers share this process (and its GIL); over NATS they are other processes
     in_process: bool = False
+    where: str = ""  # which bus: NATS's server URLs (credentials left out)
 
     @property
     def is_connected(self) -> bool:
@@ -211,6 +212,7 @@ class InProcessTransport(Transport):
     """Subjects are exact names (no wildcards); delivery is in order per subscription."""
 
     in_process = True
+    where = "in-process"
 
     def __init__(self) -> None:
         self._subs: dict[str, list[_InProcessSubscription]] = {}

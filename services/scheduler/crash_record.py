@@ -1,6 +1,6 @@
-"""What a scheduler knows about its own deaths, kept in one small JSON file per worker
-(`<SGLBUS_CACHE_DIR or ~/.cache/sglbus>/crashes/<subject prefix>.<worker id>.json`) so that the next
-run of the process reads it.
+"""What a scheduler knows about its own deaths, kept in one small JSON file per worker and bus
+(`<SGLBUS_CACHE_DIR or ~/.cache/sglbus>/crashes/<subject prefix>.<worker id>.<crc32 of the NATS
+URL>.json`) so that the next run of the process reads it.
 
 A request that follows a crash runs alone for a while (quarantine.py). Before each step in which it
 runs alone the file names it (`alone`) and every other request held here (`bystanders`); after the step
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -46,9 +47,10 @@ class CrashRecord:
         self.charged: str | None = None  # the request the last run's death was charged to (by load)
 
     @classmethod
-    def for_worker(cls, cfg: EngineConfig) -> CrashRecord:
-        """This worker's record, read from its file (a death in a step alone is charged now)."""
-        name = f"{cfg.subject_prefix}.{cfg.worker_id}.json"
+    def for_worker(cls, cfg: EngineConfig, bus: str = "") -> CrashRecord:
+        """This worker's record, read from its file (a death in a step alone is charged now). `bus`:
+        the NATS it serves (two deployments on one machine, test servers say, keep records apart)."""
+        name = f"{cfg.subject_prefix}.{cfg.worker_id}.{zlib.crc32(bus.encode()):08x}.json"
         record = cls(os.path.join(cache_root(), "crashes", name))
         record.load()
         return record

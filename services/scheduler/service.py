@@ -52,7 +52,7 @@ class SchedulerService:
             config, resolve_model_folder(config.model_path, config.load_format != "dummy")
         )
         # who was running alone when this worker died before (in-process nothing dies on its own)
-        record = None if transport.in_process else CrashRecord.for_worker(config)
+        record = None if transport.in_process else CrashRecord.for_worker(config, transport.where)
         self.scheduler = Scheduler(config, self.runner, record)
         self._give_back: list[str] = []  # work tokens of a failed step's requests, given back at the stop
         self._inbox: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
