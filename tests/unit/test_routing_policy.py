@@ -200,3 +200,20 @@ async def test_gateways_that_hear_no_note_during_a_burst_agree_through_claims() 
         assert sum(r.per_worker.values()) == sum(len(ld.transit) for ld in r._loads.values())
         assert sum(r._load(w).transit_tokens for w in workers) == sum(t for ld in r._loads.values()
                                                                      for _, t in ld.transit)  # fmt: skip
+
+
+async def test_a_bus_that_keeps_no_claims_costs_one_failed_claim_not_one_per_prefix() -> None:
+    asked = []
+
+    class NoClaims(InProcessTransport):
+        async def claim(self, bucket: str, key: str, value: str) -> str:
+            asked.append(key)
+            raise PermissionError("no permission for the claims' bucket")
+
+    workers = ["0", "1"]
+    router = Router("cache_aware", NoClaims(), Subjects(), lambda: workers, name="a", peers=lambda: 1)
+    for _, prompt in workload(4, 1, system_len=1024):  # four new prefixes
+        route = router.route(prompt)
+        await router.agree(route)
+        assert route.worker in workers  # its own choice
+    assert len(asked) == 1

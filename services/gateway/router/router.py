@@ -48,8 +48,11 @@ RELEASE_GRACE_S = 1.0
 FOREIGN_TTL_S = 60.0
 # a routed request no report has counted as arrived after this long no longer counts as on its way
 TRANSIT_TTL_S = 10.0
-# a claim on a new prefix (`Router.agree`) that the bus does not answer in this long: our own choice
+# a claim on a new prefix (`Router.agree`) that the bus does not answer in this long: our own choice,
+# and no claims for CLAIMS_OFF_S (a NATS whose permissions lack the claims' bucket would otherwise cost
+# every new prefix the whole timeout)
 CLAIM_TIMEOUT_S = 1.0
+CLAIMS_OFF_S = 60.0
 OUTCOMES = ("hit", "miss", "imbalance", "shared")
 
 
@@ -140,6 +143,7 @@ class Router:
         self.peers = peers
         # a new prefix's first block -> (the claim on the bus, the worker this gateway proposed)
         self._claiming: dict[str, tuple[asyncio.Future[str], str]] = {}
+        self._claims_off_until = 0.0
         self.index = KvIndex()
         self._loads: dict[str, _Load] = {}
         self._pending: dict[int, dict[str, int]] = {}  # overlay: block -> {worker: routed prompts}
@@ -207,7 +211,7 @@ class Router:
         key = f"{route.blocks[0] & 0xFFFFFFFFFFFFFFFF:016x}"
         claiming = self._claiming.get(key)
         if claiming is None:
-            if route.outcome != "miss" or not self.peers():
+            if route.outcome != "miss" or not self.peers() or time.monotonic() < self._claims_off_until:
                 return
             future = asyncio.ensure_future(self._claim(key, route.worker))
             claiming = self._claiming[key] = (future, route.worker)
@@ -228,8 +232,11 @@ class Router:
         try:
             claim = self.transport.claim(self.subjects.claims, key, worker)
             return await asyncio.wait_for(claim, CLAIM_TIMEOUT_S)
-        except Exception as e:  # no answer from the bus: our own choice
-            log.debug("claim of a new prefix failed: %s", e)
+        except Exception as e:  # no answer from the bus: our own choice, and none asked for a while
+            if time.monotonic() >= self._claims_off_until:
+                log.warning("claiming a new prefix on the bus failed (%s: %s); routing without claims for "
+                            "%.0f s", type(e).__name__, e, CLAIMS_OFF_S)  # fmt: skip
+            self._claims_off_until = time.monotonic() + CLAIMS_OFF_S
             return worker
 
     def _move(self, route: Route, worker: str) -> None:
