@@ -36,7 +36,7 @@ ENGINE_FLAGS = ("model_path", "load_format", "dtype", "device", "schedule_policy
                 "max_running_requests", "max_total_tokens", "mem_fraction_static", "disable_radix_cache",
                 "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
                 "disable_overlap_schedule", "enable_cascade_attention", "moe_runner_backend",
-                "context_length")  # fmt: skip
+                "context_length", "tp_size")  # fmt: skip
 
 
 @dataclass

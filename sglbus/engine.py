@@ -131,6 +131,7 @@ class Engine:
             await self.transport.close()
 
         self._run(stop())
+        self.scheduler_service.runner.close()  # its tensor-parallel ranks
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

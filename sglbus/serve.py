@@ -217,18 +217,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def worker_options(engine: dict, cfg: EngineConfig, dp_size: int) -> list[dict]:
     """Each scheduler worker's options: worker ids 0..dp_size-1 (or the one --worker-id with one
-    worker), one GPU each where there are as many, else the device shared, each with an even share
-    of the KV memory (--max-total-tokens; on CPU, the default pool's share of RAM)."""
+    worker), tp_size GPUs each where there are as many (worker i from cuda:i*tp_size), else the
+    device shared, each with an even share of the KV memory (--max-total-tokens; on CPU, the default
+    pool's share of RAM)."""
     if dp_size == 1:
         return [engine]
     if "worker_id" in engine:
         raise ValueError("--worker-id names a single worker: leave it unset with --dp-size (ids 0..N-1)")
     gpus = _gpu_count() if cfg.device in ("auto", "cuda") else 0
+    if cfg.tp_size > 1 and gpus and gpus < dp_size * cfg.tp_size:
+        raise ValueError(f"--dp-size {dp_size} x --tp-size {cfg.tp_size} needs {dp_size * cfg.tp_size} GPUs "
+                         f"(one per rank), found {gpus}")  # fmt: skip
     out = []
     for i in range(dp_size):
         opts = {**engine, "worker_id": str(i)}
-        if gpus >= dp_size:
-            opts["device"] = f"cuda:{i}"
+        if gpus >= dp_size * cfg.tp_size:
+            opts["device"] = f"cuda:{i * cfg.tp_size}"
         elif cfg.max_total_tokens:
             opts["max_total_tokens"] = max(2, cfg.max_total_tokens // dp_size)
         elif gpus or cfg.device.startswith("cuda"):

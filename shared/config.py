@@ -45,6 +45,11 @@ class EngineConfig:
     )
     dtype: str = option("auto", "weight and KV dtype; auto: float32 on CPU, bfloat16 on GPU", DTYPES)
     device: str = option("auto", "cpu, cuda, cuda:N; auto: cuda when available")
+    tp_size: int = option(
+        1,
+        "tensor parallelism: the model split over this many ranks, one device each (on CUDA the GPUs "
+        "from this worker's device on: cuda:N .. cuda:N+tp_size-1; on CPU, processes)",
+    )
     context_length: int | None = option(
         None, "longest prompt + output; unset: the model's max_position_embeddings"
     )
@@ -123,6 +128,7 @@ class EngineConfig:
         check_choices(self)
         need(self.chunked_prefill_size is None or self.chunked_prefill_size >= 1, "chunked_prefill_size >= 1")
         need(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1")
+        need(self.tp_size >= 1, "tp_size must be >= 1")
         need(self.max_total_tokens is None or self.max_total_tokens >= 2, "max_total_tokens must be >= 2")
         need(
             self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,

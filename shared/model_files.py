@@ -285,6 +285,15 @@ def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def iter_weight_slices(folder: str) -> Iterator[tuple[str, Any]]:
+    """(HF name, safetensors slice) for every tensor of the checkpoint: nothing is read until the
+    slice is indexed (`slice[rows]`, `slice[:]`), so a tensor-parallel rank reads only its part."""
+    for path in weight_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter a Llama HF checkpoint of this shape has, with its shape."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim

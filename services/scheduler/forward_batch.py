@@ -52,6 +52,8 @@ class ForwardBatch:
     num_decode: int  # the first num_decode requests add one token each (all of them in DECODE mode)
     # shared prefixes among the decode rows (sglbus_kernels/cascade_attention.py), or None
     cascade: CascadePlan | None = None
+    # the packed host tensor this was built from and its layout (None: built otherwise, as the warm-up's)
+    host: tuple[torch.Tensor, HostLayout] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -86,17 +88,34 @@ class ForwardBatch:
         else:
             positions = [j for p, s in zip(prefix_lens, seq, strict=True) for j in range(p, s)]
             num_decode = next((i for i, e in enumerate(extend_lens) if e != 1), b)
-        n_logits = 0 if logits_idx is None else len(logits_idx)
         host = torch.tensor([*input_ids, *positions, *rows, *seq, *prefix_lens, *extend_lens, *starts,
                              *(logits_idx or ()), *lp_idx], dtype=torch.int64)  # fmt: skip
-        sizes = (t, t, b, b, b, b, b, n_logits, len(lp_idx))
+        layout = HostLayout(t, b, None if logits_idx is None else len(logits_idx), len(lp_idx),
+                            max(extend_lens, default=0), num_decode)  # fmt: skip
+        return cls.from_host(host, layout, out_cache_loc, device, cascade)
+
+    @classmethod
+    def from_host(
+        cls,
+        host: torch.Tensor,
+        layout: HostLayout,
+        out_cache_loc: torch.Tensor,
+        device: torch.device,
+        cascade: CascadePlan | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> ForwardBatch:
+        """From `build`'s packed host tensor (one copy to the device, then views of it); input_ids: the
+        tokens on the device instead of the host's (a tensor-parallel follower gets them from rank 0)."""
+        t, b, n_lp = layout.num_tokens, layout.batch_size, layout.num_lp
+        n_logits = layout.num_logits or 0
+        sizes = (t, t, b, b, b, b, b, n_logits, n_lp)
         ids, pos, rows_d, seq_d, pre_d, ext_d, start_d, logits_d, lp_d = to_device(
             host, torch.int64, device
         ).split(sizes)
         seq_cpu, ext_cpu = host[2 * t + b : 2 * t + 2 * b], host[2 * t + 3 * b : 2 * t + 4 * b]
         return cls(
-            mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            input_ids=ids,
+            mode=ForwardMode.DECODE if t == b else ForwardMode.EXTEND,
+            input_ids=ids if input_ids is None else input_ids,
             positions=pos,
             out_cache_loc=out_cache_loc,
             req_pool_indices=rows_d,
@@ -104,14 +123,35 @@ class ForwardBatch:
             prefix_lens=pre_d,
             extend_lens=ext_d,
             extend_start_loc=start_d,
-            logits_idx=None if logits_idx is None else logits_d,
-            lp_idx=lp_d if lp_idx else None,
+            logits_idx=None if layout.num_logits is None else logits_d,
+            lp_idx=lp_d if n_lp else None,
             seq_lens_cpu=seq_cpu,
             extend_lens_cpu=ext_cpu,
-            max_extend_len=max(extend_lens, default=0),
-            num_decode=num_decode,
+            max_extend_len=layout.max_extend_len,
+            num_decode=layout.num_decode,
             cascade=cascade,
+            host=(host, layout),
         )
+
+    def store_slots(self, table: torch.Tensor) -> None:
+        """Write the new tokens' slots (out_cache_loc) into their requests' rows of req_to_token."""
+        rows = self.req_pool_indices
+        # a decode batch has one token per row: no repeat_interleave, which may read its repeats on the host
+        if self.mode is not ForwardMode.DECODE:
+            rows = torch.repeat_interleave(rows, self.extend_lens, output_size=self.num_tokens)
+        table[rows, self.positions] = self.out_cache_loc
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """How `ForwardBatch.build` packed its host tensor (what a tensor-parallel follower needs to read it)."""
+
+    num_tokens: int
+    batch_size: int
+    num_logits: int | None  # None: every token makes logits
+    num_lp: int
+    max_extend_len: int
+    num_decode: int
 
 
 @dataclass(frozen=True)

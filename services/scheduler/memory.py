@@ -93,12 +93,30 @@ class KVPool:
 
 class ReqToTokenPool:
     """Rows of slot indices, one row per running request. The last row is never handed out: it stays
-    all zeros (slot 0), for the padding rows of a CUDA-graph batch."""
+    all zeros (slot 0), for the padding rows of a CUDA-graph batch.
 
-    def __init__(self, rows: int, context_len: int, device: torch.device | str) -> None:
+    Besides each step's new slots (`ForwardBatch.store_slots`), the scheduler writes rows through
+    `write`; with `journal` on, those writes are kept until `take_journal`, so a tensor-parallel
+    follower's copy of the table makes the same writes before the next step."""
+
+    def __init__(
+        self, rows: int, context_len: int, device: torch.device | str, journal: bool = False
+    ) -> None:
         self.table = torch.zeros((rows, context_len), dtype=torch.int64, device=device)
         self.padding_row = rows - 1
         self._free_rows = list(range(rows - 2, -1, -1))
+        self._journal: list[tuple[int, int, torch.Tensor]] | None = [] if journal else None
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """table[row, start : start + len(slots)] = slots."""
+        self.table[row, start : start + slots.numel()] = slots
+        if self._journal is not None:
+            self._journal.append((row, start, slots))
+
+    def take_journal(self) -> list[tuple[int, int, torch.Tensor]]:
+        """The writes since the last call, in order: (row, start, slots)."""
+        out, self._journal = self._journal or [], [] if self._journal is not None else None
+        return out
 
     @property
     def free_count(self) -> int:

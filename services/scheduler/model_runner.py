@@ -3,7 +3,10 @@
 On CUDA the KV pool takes what `mem_fraction_static` leaves after the weights (as SGLang sizes it),
 the pool decides how many requests run at once, and decode steps replay CUDA graphs
 (`cuda_graph.py`) when the attention backend can be captured; a warm-up runs each kind of step once
-before the first request (`warmup.py`). The CUDA caching allocator uses
+before the first request (`warmup.py`). With `tp_size` N > 1 this process is rank 0 of N: it starts
+the other ranks (services/scheduler/parallel/followers.py), each builds a runner of its own (its share
+of the weights and KV heads, the same pool size and graphs), and `forward` sends each step to them
+before running its own share. The CUDA caching allocator uses
 expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise: eager steps of 500-2,000 requests
 allocate logits and activations of a new size every step, and growing the cache by cudaMalloc
 left the H200 idle ~8 s of a 50 s run where expandable segments left ~4.5 s (docs/benchmarks.md).
@@ -11,6 +14,7 @@ left the H200 idle ~8 s of a 50 s run where expandable segments left ~4.5 s (doc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -24,10 +28,13 @@ from services.scheduler.forward_batch import ForwardBatch, LogitsOutput
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.models import model_class
 from services.scheduler.models.ops import make_ops
+from services.scheduler.parallel.followers import Followers
+from services.scheduler.parallel.group import SINGLE_RANK, TensorParallel, free_port
+from services.scheduler.parallel.shard import check_heads
 from services.scheduler.sampling.sampler import SamplingInfo, sample
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
-from shared.model_files import iter_weights
+from shared.model_files import iter_weight_slices
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +48,19 @@ _GPU_MAX_RUNNING = 4096
 
 
 def _build_model(
-    cls: type, mc: ModelConfig, ctx: int, device: torch.device, dtype: torch.dtype
+    cls: type,
+    mc: ModelConfig,
+    ctx: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> torch.nn.Module:
     """The model with its parameters allocated on `device` in `dtype` from the start: built in float32
     and cast, an 8B model took 32 GB more at its peak, and the cast left that much in the CUDA
     allocator's cache, which the KV pool's sizing counted as used (~600k tokens on an H200 instead of
     ~850k). The dtype is an argument, not the process's default dtype, which other threads share."""
     with torch.device(device):
-        return cls(mc, ctx, dtype)
+        return cls(mc, ctx, dtype, tp)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,6 +72,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of a tensor-parallel worker on CUDA uses the r-th GPU from the worker's device."""
+    if device.type != "cuda" or rank == 0:
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -67,8 +86,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_folder: str) -> None:
-        self.device = resolve_device(config.device)
+    def __init__(self, config: EngineConfig, model_folder: str, rank: int = 0, port: int = 0) -> None:
+        """rank, port: a tensor-parallel follower's rank and its group's port (rank 0 picks them)."""
+        self.followers: Followers | None = None  # set once this runner is ready (warm-up runs alone)
+        self.device = rank_device(resolve_device(config.device), rank)
+        size = config.tp_size
+        if self.device.type == "cuda" and (self.device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"tp_size {size} needs {self.device} but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s)")  # fmt: skip
         if self.device.type == "cuda":
             # read when the allocator starts, at the process's first CUDA allocation (normally below)
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -76,17 +101,30 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_folder = model_folder
         self.model_config = mc = ModelConfig.from_folder(model_folder)
+        followers = None
+        self.tp = SINGLE_RANK
+        if size > 1:
+            check_heads(mc.num_heads, mc.num_kv_heads, size)
+            if self.device.type == "cpu":  # the ranks share the cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            if rank == 0:
+                port = free_port()
+                followers = Followers(config, model_folder, port)
+            self.tp = TensorParallel.start(rank, size, port, self.device)
+        heads = self.tp.shard.heads(mc.num_heads, mc.num_kv_heads)
+        # this rank's share of the heads: its KV pool and attention backend see only those
+        self.local_config = dataclasses.replace(mc, num_heads=heads.q_count, num_kv_heads=heads.kv_count)
         ctx = config.context_length or mc.max_position_embeddings
         self.context_len = ctx
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
 
         t0 = time.perf_counter()
         torch.manual_seed(config.random_seed)
-        model = _build_model(model_class(mc.architecture), mc, ctx, self.device, self.dtype)
+        model = _build_model(model_class(mc.architecture), mc, ctx, self.device, self.dtype, self.tp)
         if config.load_format == "dummy":
-            model.init_dummy(config.random_seed)
+            model.init_dummy(config.random_seed + self.tp.rank)
         else:
-            model.load_weights(iter_weights(model_folder))
+            model.load_weights(iter_weight_slices(model_folder))
         model.set_ops(make_ops(self.backend_name, config.moe_runner_backend))
         self.model = model.eval()
         log.info("loaded %s in %.1f s", model_folder, time.perf_counter() - t0)
@@ -95,7 +133,7 @@ class ModelRunner:
             # what the loading left in the allocator's cache is free for the pool: the sizing below
             # reads the driver's free memory, which counts cached blocks as used
             torch.cuda.empty_cache()
-        self.max_total_tokens = self._pool_size(config)
+        self.max_total_tokens = self.tp.min(self._pool_size(config), self.device)  # the smallest rank's
         self.max_running_requests = config.max_running_requests or self._default_max_running()
         self.chunked_prefill_size = config.chunked_prefill_size or (
             8192 if self.device.type == "cuda" else 2048
@@ -104,10 +142,11 @@ class ModelRunner:
         # each step's output by one step (disable_overlap_schedule=False forces it, as tests do)
         disable = config.disable_overlap_schedule
         self.overlap_schedule = self.device.type == "cuda" if disable is None else not disable
-        self.kv = KVPool(mc, self.max_total_tokens, self.dtype, self.device)
-        self.req_to_token = ReqToTokenPool(self.max_running_requests + 8, ctx + 1, self.device)
+        self.kv = KVPool(self.local_config, self.max_total_tokens, self.dtype, self.device)
+        journal = followers is not None  # rank 0 sends its req_to_token writes to the others
+        self.req_to_token = ReqToTokenPool(self.max_running_requests + 8, ctx + 1, self.device, journal)
         self.attn: AttentionBackend = create_backend(
-            self.backend_name, self.kv, self.req_to_token, mc.num_heads, mc.head_dim
+            self.backend_name, self.kv, self.req_to_token, heads.q_count, mc.head_dim
         )
         self.graphs = None
         graphs = self.attn.supports_cuda_graph and model.capturable and not config.disable_cuda_graph
@@ -127,11 +166,19 @@ class ModelRunner:
             log.info("warm-up steps (kernel compilation) took %.1f s", warm_up(self))
         log.info("KV pool %d tokens, %d running requests at most, attention %s",
                  self.max_total_tokens, self.max_running_requests, self.backend_name)  # fmt: skip
+        self.followers = followers  # from here on, each forward goes to them too
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (nothing with one rank)."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
+        self.tp.close()
 
     def _pool_size(self, config: EngineConfig) -> int:
         if config.max_total_tokens:
             return config.max_total_tokens
-        per_token = self.model_config.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
+        per_token = self.local_config.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             fraction = config.mem_fraction_static or _GPU_MEM_FRACTION
@@ -156,10 +203,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        if self.followers is not None:
+            self.followers.forward(fb, self.req_to_token.take_journal(), self)
         if self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.replay(fb)
         self.attn.prepare(fb)
         return self.model(fb, self.attn)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states -> logits (prompt logprobs): on every rank under tensor parallelism."""
+        if self.followers is not None:
+            self.followers.logits(hidden, self)
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def sample(

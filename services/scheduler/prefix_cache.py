@@ -81,7 +81,7 @@ class RadixPrefixCache(RadixCache, PrefixCache):
         prefix = self.insert(key, slots)
         self.kv.free(slots[req.num_cached : prefix])  # our duplicates of what another request cached
         match = self.match_prefix(key)
-        table[req.row, :n] = match.indices
+        self.req_to_token.write(req.row, 0, match.indices)
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(req.last_node)
         req.last_node, req.num_cached = match.last_node, n

@@ -107,7 +107,7 @@ class SampleStep:
             targets = r.prompt[a + 1 : a + 1 + m]
             hidden = lp_hidden[row : row + m]
             try:
-                r.lp_in += input_rows(hidden, self.runner.model.logits, targets, r.lp.top_k, r.lp.token_ids)
+                r.lp_in += input_rows(hidden, self.runner.logits, targets, r.lp.top_k, r.lp.token_ids)
                 r.lp_pos += m
             except Exception as e:
                 log.exception("prompt logprobs failed for request %s", r.rid)

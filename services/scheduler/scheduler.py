@@ -240,7 +240,7 @@ class Scheduler(RequestIntake, PoolState):
                 self.tree.dec_lock_ref(match.last_node)
                 break
             req.row = self.req_to_token.alloc()
-            self.req_to_token.table[req.row, :cached] = match.indices
+            self.req_to_token.write(req.row, 0, match.indices)
             req.last_node, req.num_cached, req.num_computed = match.last_node, cached, cached
             try:
                 self.sampling.admit(req)

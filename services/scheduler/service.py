@@ -48,6 +48,7 @@ class SchedulerService:
     def __init__(self, config: EngineConfig, transport: Transport, runner: ModelRunner | None = None) -> None:
         self.cfg, self.transport = config, transport
         self.subjects = Subjects(config.subject_prefix)
+        self._owns_runner = runner is None  # then stop() closes it (its tensor-parallel ranks)
         self.runner = runner or ModelRunner(
             config, resolve_model_folder(config.model_path, config.load_format != "dummy")
         )
@@ -134,6 +135,8 @@ class SchedulerService:
                 await self.transport.settle_work(token, NAK)
             except Exception:  # the bus is gone: the work queue delivers them again after ack_wait
                 break
+        if self._owns_runner:
+            self.runner.close()
 
     def call(self, fn: Callable[[Scheduler], Any]) -> asyncio.Future:
         """Run fn(scheduler) on the scheduler thread between steps; await the result."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.host_copy import to_device
 from services.scheduler.request import Req
 from sglbus_kernels.cascade_plan import CascadePlan
@@ -124,11 +124,7 @@ class StepInputs:
         every = len(self.logits_idx) == self.num_tokens and not self.readers
         fb = ForwardBatch.build(self.ids, self.rows, self.prefix_lens, self.extend_lens, loc,
                                 None if every else self.logits_idx, self.lp_idx, device, cascade)  # fmt: skip
-        # a decode batch has one token per row: no repeat_interleave, which may read its repeats on the host
-        rows = fb.req_pool_indices
-        if fb.mode is not ForwardMode.DECODE:
-            rows = torch.repeat_interleave(rows, fb.extend_lens, output_size=self.num_tokens)
-        table[rows, fb.positions] = loc
+        fb.store_slots(table)
         if self.from_flight:
             assert in_flight is not None
             n = len(self.from_flight)

@@ -5,7 +5,7 @@ and no `url`. What a program uses is there: `endpoint` (the backend; the Runtime
 wherever a backend is), `generate`, `async_generate`, `cache_prefix`, `get_tokenizer`, `shutdown`.
 
 Server options that are also Engine options (shared/config.py: model_path, mem_fraction_static,
-context_length, ...) are passed through; SGLang's others (tp_size, port, log_level, ...) are accepted
+context_length, tp_size, ...) are passed through; SGLang's others (port, log_level, ...) are accepted
 and ignored, with a debug log naming them, but those that ask for LoRA adapters (`lora_paths`,
 `enable_lora`), which ignored would serve the base model instead, raise ValueError.
 """

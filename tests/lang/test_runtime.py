@@ -56,16 +56,16 @@ def test_server_options_we_have_pass_through_in_our_spelling():
         {"model_path": "m", "tp_size": 2, "port": 30000, "mem_fraction_static": 0.5, "dtype": "half",
          "attention_backend": "torch_native", "trust_remote_code": True, "context_length": 512}
     )  # fmt: skip
-    assert options == {"model_path": "m", "mem_fraction_static": 0.5, "dtype": "float16",
+    assert options == {"model_path": "m", "tp_size": 2, "mem_fraction_static": 0.5, "dtype": "float16",
                        "attention_backend": "torch", "context_length": 512}  # fmt: skip
-    assert ignored == ["port", "tp_size", "trust_remote_code"]
+    assert ignored == ["port", "trust_remote_code"]
 
 
 def test_runtime_runs_the_engine_and_logs_what_it_ignored(fake_engine, caplog):
     with caplog.at_level(logging.DEBUG, logger="sglbus.lang.runtime"):
-        runtime = sgl.Runtime(model_path="m", tp_size=1, log_level="info", mem_fraction_static=0.3)
+        runtime = sgl.Runtime(model_path="m", port=30000, log_level="info", mem_fraction_static=0.3)
     assert runtime.engine.options == {"model_path": "m", "mem_fraction_static": 0.3}
-    assert "ignored SGLang server options sglbus does not have: tp_size" in caplog.text
+    assert "ignored SGLang server options sglbus does not have: port" in caplog.text
     assert isinstance(runtime.endpoint, EngineBackend) and runtime.endpoint.engine is runtime.engine
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         sgl.Runtime(attention_backend="flashinfer")  # one of ours, with a value we do not have

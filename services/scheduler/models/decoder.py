@@ -8,12 +8,17 @@ A layer, pre-norm (Llama, Qwen, Mistral, Phi-3, Mixtral):
     h = attn(norm(x)) ; x = x + h ; h = mlp(norm(x)) ; x = x + h
 and with Gemma's sandwich norms (`Arch.sandwich`), each block's output is normalised too:
     h = post_attn_norm(attn(norm(x))) ; x = x + h ; h = post_mlp_norm(mlp(norm(x))) ; x = x + h
-The residual adds are fused into the next norm (`ops.add_rms_norm`)."""
+The residual adds are fused into the next norm (`ops.add_rms_norm`).
+
+Under tensor parallelism (`tp`) each rank builds its share of every layer (models/layers.py) and of
+the vocabulary: its rows of the embedding (a token another rank holds looks up zeros; the sum over
+ranks is the embedding) and of the LM head (the ranks' logits are gathered into the full row)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,8 @@ from services.scheduler.forward_batch import ForwardBatch, LogitsOutput
 from services.scheduler.models.layers import Attention, AttentionShape, Context, GatedMLP, Piece, RMSNorm
 from services.scheduler.models.moe import SparseMoE, moe_loop
 from services.scheduler.models.ops import TorchOps, TritonOps
+from services.scheduler.parallel.group import SINGLE_RANK, TensorParallel
+from services.scheduler.parallel.shard import SINGLE, Shard
 from services.scheduler.rotary import Rotary
 from shared.model_config import ModelConfig
 
@@ -72,23 +79,24 @@ def layer_types(config: ModelConfig, sliding: bool) -> tuple[str, ...]:
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, arch: Arch, layer: int, spec: LayerAttention, dtype: torch.dtype | None
-    ) -> None:
+        self, config: ModelConfig, arch: Arch, layer: int, spec: LayerAttention, dtype: torch.dtype | None,
+        shard: Shard = SINGLE,
+    ) -> None:  # fmt: skip
         super().__init__()
         h, eps, off = config.hidden_size, config.rms_norm_eps, arch.norm_offset
         heads = (config.num_heads, config.num_kv_heads, config.head_dim)
         shape = AttentionShape(*heads, arch.bias, arch.qk_norm)
         self.attn_norm = RMSNorm(h, eps, dtype, off)
-        self.attn = Attention(h, shape, layer, spec, eps, off, dtype)
+        self.attn = Attention(h, shape, layer, spec, eps, off, dtype, shard)
         self.mlp_norm = RMSNorm(h, eps, dtype, off)
         self.post_attn_norm = RMSNorm(h, eps, dtype, off) if arch.sandwich else None
         self.post_mlp_norm = RMSNorm(h, eps, dtype, off) if arch.sandwich else None
         e = arch.experts
         self.mlp: GatedMLP | SparseMoE
         if e is not None and layer in e.layers:
-            self.mlp = SparseMoE(h, e.intermediate, e.num, e.top_k, e.renormalize, dtype)
+            self.mlp = SparseMoE(h, e.intermediate, e.num, e.top_k, e.renormalize, dtype, shard)
         else:
-            self.mlp = GatedMLP(h, config.intermediate_size, arch.act, dtype)
+            self.mlp = GatedMLP(h, config.intermediate_size, arch.act, dtype, shard)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: Context
@@ -109,7 +117,7 @@ class DecoderLayer(nn.Module):
             h = self.post_mlp_norm(h, ops)
         return h, residual
 
-    def pieces(self, prefix: str, arch: Arch, mlp: str) -> dict[str, Piece]:
+    def pieces(self, prefix: str, arch: Arch, mlp: str) -> dict[str, Piece | tuple[Piece, ...]]:
         """This layer's checkpoint tensors under `prefix` (`layers.<i>`); `mlp`: the MLP's name there."""
         out = self.attn.pieces(f"{prefix}.self_attn", arch.fused_checkpoint)
         out[f"{prefix}.input_layernorm.weight"] = self.attn_norm.piece()
@@ -126,8 +134,8 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """A family subclasses it: `arch(config)` says what its layers are; `expert_pieces` names its
-    experts' tensors (MoE families). Built as `cls(config, max_positions, dtype)`, parameters made in
-    dtype from the start; RoPE tables stay float32."""
+    experts' tensors (MoE families). Built as `cls(config, max_positions, dtype, tp)`, parameters made
+    in dtype from the start (tp's rank's share of them); RoPE tables stay float32."""
 
     mlp_name = "mlp"  # the dense MLP's name in the checkpoint
 
@@ -135,9 +143,13 @@ class CausalLM(nn.Module):
     def arch(cls, config: ModelConfig) -> Arch:
         raise NotImplementedError
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE_RANK,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
+        shard = tp.shard
         self.spec = arch = self.arch(config)
         if len(arch.layer_types) != config.num_layers:
             n = len(arch.layer_types)
@@ -147,15 +159,17 @@ class CausalLM(nn.Module):
             raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         self.rotaries = {t: Rotary.of(config, max_positions, t) for t in sorted(set(arch.layer_types))}
         h = config.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype))
+        self.vocab_start, rows = shard.vocab(config.vocab_size)  # rows past the vocabulary: padding
+        self.vocab_rows = rows
+        self.embed_tokens = nn.Parameter(torch.empty(rows, h, dtype=dtype))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, arch, i, self._attention(i), dtype) for i in range(config.num_layers)
+            DecoderLayer(config, arch, i, self._attention(i), dtype, shard) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype, arch.norm_offset)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype))
+            else nn.Parameter(torch.empty(rows, h, dtype=dtype))
         )
         self.embed_scale = float(h**0.5) if arch.embed_scale else None
         self.ops: TorchOps | TritonOps = TorchOps()
@@ -188,8 +202,8 @@ class CausalLM(nn.Module):
         None), and the final hidden states of fb.lp_idx for prompt logprobs (turned into logits later,
         in slices). logits_out: write the logits there (the CUDA graphs' one static buffer) instead of
         a new tensor."""
-        ctx = Context(self.ops, attn, fb)
-        x, residual = F.embedding(fb.input_ids, self.embed_tokens), None
+        ctx = Context(self.ops, attn, fb, self.tp)
+        x, residual = self.embed(fb.input_ids), None
         if self.embed_scale is not None:  # rounded to the dtype first, as transformers does
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layer in self.layers:
@@ -202,14 +216,26 @@ class CausalLM(nn.Module):
         hidden = self.ops.rms_norm(last, self.norm.weight, self.norm.eps)
         return LogitsOutput(self.logits(hidden, logits_out), lp_hidden)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.embed_tokens)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_rows)
+        x = F.embedding(torch.where(mine, local, 0), self.embed_tokens)
+        return self.tp.all_reduce(x.masked_fill_(~mine[:, None], 0))
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states [N, H] -> logits [N, vocab] in the model's dtype (into `out` when
         given), soft-capped where the family caps them (Gemma 2). They stay in that dtype: a greedy
         draw reads them as they are (the argmax of a bf16 row is the argmax of its float32 copy), and
         SampleStep makes the float32 copy only for a batch whose processors or draw need one; on an
-        H200 at ~2,400 rows of a 128k vocabulary that copy was a 1.2 GB write every step."""
-        if out is None:
+        H200 at ~2,400 rows of a 128k vocabulary that copy was a 1.2 GB write every step.
+        Under tensor parallelism every rank gets the full logits (each computes its vocabulary rows)."""
+        if self.tp.size > 1:
+            full = self.tp.gather_columns(F.linear(hidden, self.lm_head))[:, : self.config.vocab_size]
+            out = full.contiguous() if out is None else out.copy_(full)
+        elif out is None:
             out = F.linear(hidden, self.lm_head)
         else:
             torch.mm(hidden, self.lm_head.t(), out=out)
@@ -222,19 +248,27 @@ class CausalLM(nn.Module):
     def expert_pieces(self, prefix: str, moe: SparseMoE) -> dict[str, Piece]:
         raise NotImplementedError(f"{type(self).__name__} has no experts")
 
-    def pieces(self) -> dict[str, Piece]:
-        """Every checkpoint tensor this model takes, by its transformers name less `model.`."""
-        out = {"embed_tokens.weight": Piece(self.embed_tokens), "norm.weight": self.norm.piece()}
+    def pieces(self) -> dict[str, Piece | tuple[Piece, ...]]:
+        """Every checkpoint tensor this model takes, by its transformers name less `model.`; a tuple
+        for a checkpoint tensor that fills several parts (Phi-3's fused q/k/v under tensor parallelism)."""
+        start = self.vocab_start
+        n = max(0, min(self.vocab_rows, self.config.vocab_size - start))  # this rank's real rows
+        rows, src = (slice(0, n),), (slice(start, start + n),)
+        out: dict[str, Piece | tuple[Piece, ...]] = {
+            "embed_tokens.weight": Piece(self.embed_tokens, rows, src=src),
+            "norm.weight": self.norm.piece(),
+        }
         if not self.config.tie_word_embeddings:
-            out["lm_head.weight"] = Piece(self.lm_head)
+            out["lm_head.weight"] = Piece(self.lm_head, rows, src=src)
         for i, layer in enumerate(self.layers):
             out |= layer.pieces(f"layers.{i}", self.spec, self.mlp_name)
             if isinstance(layer.mlp, SparseMoE):
                 out |= self.expert_pieces(f"layers.{i}.{self.mlp_name}", layer.mlp)
         return out
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take transformers' tensor names (with or without `model.`); every piece must come once."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Take transformers' tensor names (with or without `model.`), each with a tensor or a
+        safetensors slice (read only where this rank's pieces are); every piece must come once."""
         pieces, loaded = self.pieces(), set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -244,7 +278,8 @@ class CausalLM(nn.Module):
             if piece is None:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             try:
-                piece.load(tensor)
+                for p in piece if isinstance(piece, tuple) else (piece,):
+                    p.load(tensor)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
             loaded.add(name)

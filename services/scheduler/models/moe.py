@@ -8,7 +8,10 @@ reads them all. Two runners compute the experts (`moe_runner_backend`):
   activation, down, weight, index_add), so fp32 output matches it; the CPU path. Its shapes depend
   on the routing, so it cannot run inside a CUDA graph.
 - `triton`: sglbus_kernels/fused_moe.py, a grouped GEMM over the tokens sorted by expert (SGLang's
-  design); fixed shapes, captured in CUDA graphs; the default on CUDA."""
+  design); fixed shapes, captured in CUDA graphs; the default on CUDA.
+
+Under tensor parallelism every rank holds every expert's slice of the intermediate width (as SGLang's
+TP MoE does) and the router in full: each computes its partial output for all tokens, all-reduced."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.models.layers import Context, Piece
+from services.scheduler.parallel.shard import SINGLE, Shard
 
 # (x, w_gate_up, w_down, topk_weights, topk_ids) -> [T, H]
 MoeRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -53,11 +57,12 @@ MOE_RUNNERS: dict[str, MoeRunner] = {"torch": moe_loop, "triton": moe_fused}
 class SparseMoE(nn.Module):
     def __init__(
         self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
-        dtype: torch.dtype | None,
+        dtype: torch.dtype | None, shard: Shard = SINGLE,
     ) -> None:  # fmt: skip
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate = intermediate
+        self.start, self.intermediate = shard.slice(intermediate)
+        intermediate = self.intermediate
         self.gate = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype))
@@ -67,16 +72,18 @@ class SparseMoE(nn.Module):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ctx.ops.moe(h, self.w_gate_up, self.w_down, weights, ids)  # float32 weights
+        out = ctx.ops.moe(h, self.w_gate_up, self.w_down, weights, ids)  # float32 weights
+        return ctx.tp.all_reduce(out)
 
     def pieces(self, prefix: str, gate: str, names: tuple[str, str, str]) -> dict[str, Piece]:
         """`<prefix>.<gate>.weight` (the router) and `<prefix>.experts.<e>.<name>.weight` for the
-        (gate, up, down) names: Mixtral's (w1, w3, w2), Qwen3-MoE's (gate_proj, up_proj, down_proj)."""
-        i = self.intermediate
+        (gate, up, down) names: Mixtral's (w1, w3, w2), Qwen3-MoE's (gate_proj, up_proj, down_proj);
+        each expert's rows (down: columns) of this rank's slice."""
+        i, mine = self.intermediate, slice(self.start, self.start + self.intermediate)
         out = {f"{prefix}.{gate}.weight": Piece(self.gate)}
         for e in range(self.num_experts):
             p = f"{prefix}.experts.{e}"
-            out[f"{p}.{names[0]}.weight"] = Piece(self.w_gate_up, (e, slice(0, i)))
-            out[f"{p}.{names[1]}.weight"] = Piece(self.w_gate_up, (e, slice(i, 2 * i)))
-            out[f"{p}.{names[2]}.weight"] = Piece(self.w_down, (e,))
+            out[f"{p}.{names[0]}.weight"] = Piece(self.w_gate_up, (e, slice(0, i)), src=(mine,))
+            out[f"{p}.{names[1]}.weight"] = Piece(self.w_gate_up, (e, slice(i, 2 * i)), src=(mine,))
+            out[f"{p}.{names[2]}.weight"] = Piece(self.w_down, (e,), src=(slice(None), mine))
         return out
