@@ -89,11 +89,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_folder: str, rank: int = 0, port: int = 0) -> None:
         """rank, port: a tensor-parallel follower's rank and its group's port (rank 0 picks them)."""
         self.followers: Followers | None = None  # set once this runner is ready (warm-up runs alone)
-        self.device = rank_device(resolve_device(config.device), rank)
-        size = config.tp_size
-        if self.device.type == "cuda" and (self.device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"tp_size {size} needs {self.device} but this machine has "
+        base, size = resolve_device(config.device), config.tp_size
+        if base.type == "cuda" and (base.index or 0) + size > torch.cuda.device_count():
+            last = torch.device("cuda", (base.index or 0) + size - 1)
+            raise ValueError(f"tp_size {size} from {base} needs {last}, but this machine has "
                              f"{torch.cuda.device_count()} GPU(s)")  # fmt: skip
+        self.device = rank_device(base, rank)
         if self.device.type == "cuda":
             # read when the allocator starts, at the process's first CUDA allocation (normally below)
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -110,7 +111,20 @@ class ModelRunner:
             if rank == 0:
                 port = free_port()
                 followers = Followers(config, model_folder, port)
-            self.tp = TensorParallel.start(rank, size, port, self.device)
+        try:
+            if size > 1:
+                self.tp = TensorParallel.start(rank, size, port, self.device)
+            self._build(config, followers)
+        except BaseException:
+            if followers is not None:  # they may wait in a collective this rank never reaches
+                followers.close(wait=False)
+            self.tp.close()
+            raise
+        self.followers = followers  # from here on, each forward goes to them too
+
+    def _build(self, config: EngineConfig, followers: Followers | None) -> None:
+        """The model, KV pool, attention backend, CUDA graphs and warm-up (each rank its own share)."""
+        mc = self.model_config
         heads = self.tp.shard.heads(mc.num_heads, mc.num_kv_heads)
         # this rank's share of the heads: its KV pool and attention backend see only those
         self.local_config = dataclasses.replace(mc, num_heads=heads.q_count, num_kv_heads=heads.kv_count)
@@ -124,10 +138,10 @@ class ModelRunner:
         if config.load_format == "dummy":
             model.init_dummy(config.random_seed + self.tp.rank)
         else:
-            model.load_weights(iter_weight_slices(model_folder))
+            model.load_weights(iter_weight_slices(self.model_folder))
         model.set_ops(make_ops(self.backend_name, config.moe_runner_backend))
         self.model = model.eval()
-        log.info("loaded %s in %.1f s", model_folder, time.perf_counter() - t0)
+        log.info("loaded %s in %.1f s", self.model_folder, time.perf_counter() - t0)
 
         if self.device.type == "cuda":
             # what the loading left in the allocator's cache is free for the pool: the sizing below
@@ -166,7 +180,6 @@ class ModelRunner:
             log.info("warm-up steps (kernel compilation) took %.1f s", warm_up(self))
         log.info("KV pool %d tokens, %d running requests at most, attention %s",
                  self.max_total_tokens, self.max_running_requests, self.backend_name)  # fmt: skip
-        self.followers = followers  # from here on, each forward goes to them too
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (nothing with one rank)."""
@@ -192,6 +205,8 @@ class ModelRunner:
                 )
             return tokens
         budget = psutil.virtual_memory().available * (config.mem_fraction_static or _CPU_KV_FRACTION)
+        # the ranks of a CPU worker share the RAM: the budget holds every rank's KV heads of a token
+        per_token = self.model_config.kv_bytes_per_token * torch.finfo(self.dtype).bits // 8
         return max(min(int(budget // per_token), _CPU_MAX_DEFAULT_TOKENS), 16)
 
     def _default_max_running(self) -> int:

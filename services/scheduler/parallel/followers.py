@@ -109,13 +109,14 @@ class Followers:
         self._send(("logits", tuple(hidden.shape), hidden.dtype))
         runner.tp.broadcast(hidden.contiguous())
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop them: each ends its loop when told (wait), else at once (kill)."""
         self._closing = True
         try:
             self._send(("stop",))
         except OSError:  # a follower is gone already
             pass
-        deadline = time.monotonic() + _STOP_WAIT_S
+        deadline = time.monotonic() + (_STOP_WAIT_S if wait else 0.0)
         for proc in self._procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
