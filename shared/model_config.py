@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -13,7 +14,12 @@ TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+    "LlavaForConditionalGeneration",
 )  # fmt: skip
+# vision-language models: their language model is one of the families above, read from `text_config`
+VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+# a text_config's model_type -> the family that runs it (when it names no architectures)
+_TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
-    # the whole config.json: the family reads its own keys (norm kinds, soft-caps, experts, ...)
+    # the whole config.json: the family reads its own keys (norm kinds, soft-caps, experts, ...); a
+    # vision-language model's text_config (with transformers' defaults filled in)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # a vision-language model's whole config.json (vision_config, image token, projector); None: text only
+    vision: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -51,6 +60,9 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch in VISION_ARCHITECTURES:
+            text = cls.from_dict(text_config(cfg))
+            return dataclasses.replace(text, architecture=arch, vision=cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling = rope_settings(cfg)
@@ -84,6 +96,23 @@ class ModelConfig:
     def from_folder(cls, folder: str) -> ModelConfig:
         with open(os.path.join(folder, "config.json")) as f:
             return cls.from_dict(json.load(f))
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's `text_config`, complete: a saved config keeps only the values that
+    differ from its class's defaults (llava-1.5-7b-hf's names no hidden_size), so transformers' config
+    class of its model_type fills in the rest; `architectures` names the family that runs it."""
+    from transformers import AutoConfig  # only for vision-language models: a second to import
+
+    text = dict(cfg.get("text_config") or {})
+    kind = text.get("model_type", "llama")
+    family = (text.get("architectures") or [_TEXT_FAMILIES.get(kind, "")])[0]
+    if family not in SUPPORTED_ARCHITECTURES or family in VISION_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported language model {kind!r} in text_config; supported: {', '.join(_TEXT_FAMILIES)}"
+        )
+    full = AutoConfig.for_model(kind, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+    return {**full, "architectures": [family]}
 
 
 def rope_settings(

@@ -54,6 +54,8 @@ class ForwardBatch:
     cascade: CascadePlan | None = None
     # the packed host tensor this was built from and its layout (None: built otherwise, as the warm-up's)
     host: tuple[torch.Tensor, HostLayout] | None = None
+    # a vision-language model's image rows for this step's image slots, or None
+    mm: MultimodalBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +142,15 @@ class ForwardBatch:
         if self.mode is not ForwardMode.DECODE:
             rows = torch.repeat_interleave(rows, self.extend_lens, output_size=self.num_tokens)
         table[rows, self.positions] = self.out_cache_loc
+
+
+@dataclass(frozen=True)
+class MultimodalBatch:
+    """Rows that replace token embeddings: `embeds` [M, hidden] go to the flat token indices
+    `positions` [M] (an image's placeholder slots in this step's extend)."""
+
+    embeds: torch.Tensor
+    positions: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         torch.manual_seed(config.random_seed)
-        model = _build_model(model_class(mc.architecture), mc, ctx, self.device, self.dtype, self.tp)
+        model = _build_model(model_class(mc), mc, ctx, self.device, self.dtype, self.tp)
         if config.load_format == "dummy":
             model.init_dummy(config.random_seed + self.tp.rank)
         else:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from services.scheduler.models.decoder import CausalLM
 from services.scheduler.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from services.scheduler.models.llama import LlamaForCausalLM
+from services.scheduler.models.llava import llava_class
 from services.scheduler.models.mistral import MistralForCausalLM, MixtralForCausalLM
 from services.scheduler.models.phi3 import Phi3ForCausalLM
 from services.scheduler.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
-from shared.model_config import SUPPORTED_ARCHITECTURES
+from shared.model_config import SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES, ModelConfig
 
 MODELS: dict[str, type[CausalLM]] = {
     cls.__name__: cls
@@ -23,10 +24,15 @@ MODELS: dict[str, type[CausalLM]] = {
         Qwen3MoeForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
     )
 }  # fmt: skip
-assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
+assert set(MODELS) | VISION_ARCHITECTURES == set(SUPPORTED_ARCHITECTURES)
 
 
-def model_class(architecture: str) -> type[CausalLM]:
+def model_class(config: ModelConfig | str) -> type[CausalLM]:
+    """The class that runs a model: by its architecture; a vision-language model (config.vision) wraps
+    the family of its language model (models/llava.py)."""
+    if isinstance(config, ModelConfig) and config.vision is not None:
+        return llava_class(model_class(config.raw["architectures"][0]))
+    architecture = config if isinstance(config, str) else config.architecture
     if architecture not in MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(MODELS)}")
     return MODELS[architecture]

@@ -203,9 +203,14 @@ class CausalLM(nn.Module):
         in slices). logits_out: write the logits there (the CUDA graphs' one static buffer) instead of
         a new tensor."""
         ctx = Context(self.ops, attn, fb, self.tp)
-        x, residual = self.embed(fb.input_ids), None
+        ids = fb.input_ids
+        if fb.mm is not None:  # image slots hold values past the vocabulary (their image's hash)
+            ids = ids.clamp(0, self.config.vocab_size - 1)
+        x, residual = self.embed(ids), None
         if self.embed_scale is not None:  # rounded to the dtype first, as transformers does
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if fb.mm is not None:  # a vision-language model's image rows replace their slots' embeddings
+            x = x.index_copy(0, fb.mm.positions, fb.mm.embeds.to(x.dtype))
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         x = x + residual
@@ -266,13 +271,19 @@ class CausalLM(nn.Module):
                 out |= self.expert_pieces(f"layers.{i}.{self.mlp_name}", layer.mlp)
         return out
 
+    def ignored_weights(self) -> set[str]:
+        """Checkpoint tensors this model never uses (a vision tower's unused layers), skipped on load."""
+        return set()
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Take transformers' tensor names (with or without `model.`), each with a tensor or a
         safetensors slice (read only where this rank's pieces are); every piece must come once."""
-        pieces, loaded = self.pieces(), set()
+        pieces, loaded, ignored = self.pieces(), set(), self.ignored_weights()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings or "rotary_emb" in name:
+                continue
+            if name in ignored:
                 continue
             piece = pieces.get(name)
             if piece is None:

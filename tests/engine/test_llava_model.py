@@ -1,0 +1,121 @@
+"""LLaVA at the model level (the request path carries images later): a tiny random
+`LlavaForConditionalGeneration` built from a transformers config (no download), saved, loaded by the
+ModelRunner; one prefill with two images in the prompt gives transformers' logits in fp32, also when
+the prompt is computed in two chunks that split an image, and from a checkpoint in the transformers 4
+layout the published llava-hf folders use."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from tiny_families import save_folder
+
+from services.scheduler.forward_batch import ForwardBatch, MultimodalBatch
+from services.scheduler.model_runner import ModelRunner
+from shared.config import EngineConfig
+
+IMAGE = 49151
+TOKENS = 16  # (56 / 14) ** 2 patches, CLS dropped
+
+
+def build_llava(seed: int = 0):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, image_size=56, patch_size=14)  # fmt: skip
+    text = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE)
+    model = LlavaForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, model_folder):
+    hf = build_llava()
+    folder = save_folder(hf, str(tmp_path_factory.mktemp("llava")), model_folder)
+    gen = torch.Generator().manual_seed(3)
+    prompt = [5, 6, 7, *[IMAGE] * TOKENS, 8, 9, *[IMAGE] * TOKENS, 10, 11, 12]
+    pixels = torch.randn(2, 3, 56, 56, generator=gen)
+    with torch.inference_mode():
+        ref = hf(input_ids=torch.tensor([prompt]), pixel_values=pixels).logits[0]
+    return hf, folder, prompt, pixels, ref
+
+
+def runner_of(folder: str) -> ModelRunner:
+    cfg = EngineConfig(model_path=folder, dtype="float32", attention_backend="torch", device="cpu",
+                       max_total_tokens=1024)  # fmt: skip
+    return ModelRunner(cfg, folder)
+
+
+def prefill(runner: ModelRunner, prompt: list[int], pixels: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Logits of every prompt token, computed in chunks of these sizes (one request, row 0)."""
+    features = runner.model.image_features(pixels).reshape(-1, runner.model_config.hidden_size)
+    slots = [i for i, t in enumerate(prompt) if t == IMAGE]
+    ids = [10**6 + 7 if t == IMAGE else t for t in prompt]  # placeholders past the vocabulary, as hashed
+    out, start = [], 0
+    for n in chunks:
+        mine = [j for j, s in enumerate(slots) if start <= s < start + n]
+        loc = runner.kv.alloc(n)
+        fb = ForwardBatch.build(ids[start : start + n], [0], [start], [n], loc, None, [], runner.device)
+        if mine:
+            mm = MultimodalBatch(features[mine], torch.tensor([slots[j] - start for j in mine]))
+            fb = dataclasses.replace(fb, mm=mm)
+        fb.store_slots(runner.req_to_token.table)
+        out.append(runner.forward(fb).logits)
+        start += n
+    return torch.cat(out)
+
+
+def test_images_in_the_prompt_give_transformers_logits(llava):
+    hf, folder, prompt, pixels, ref = llava
+    runner = runner_of(folder)
+    assert runner.model.tokens_per_image == TOKENS
+    torch.testing.assert_close(prefill(runner, prompt, pixels, [len(prompt)]), ref, atol=1e-4, rtol=1e-4)
+    # without the images' rows the logits differ: the check above sees them
+    assert not torch.allclose(prefill(runner_of(folder), [t if t != IMAGE else 0 for t in prompt], pixels,
+                                      [len(prompt)]), ref, atol=1e-2)  # fmt: skip
+
+
+def test_chunks_that_split_an_image(llava):
+    hf, folder, prompt, pixels, ref = llava
+    got = prefill(runner_of(folder), prompt, pixels, [10, 17, len(prompt) - 27])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_llava_hf_checkpoint_layout(llava, tmp_path):
+    """transformers 4's names (`language_model.model.*`, `vision_tower.vision_model.*`, ...)."""
+    from safetensors.torch import save_file
+
+    hf, folder, prompt, pixels, ref = llava
+    renames = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+               ("model.vision_tower.", "vision_tower.vision_model."),
+               ("model.multi_modal_projector.", "multi_modal_projector."))  # fmt: skip
+    tensors = {}
+    for name, t in hf.state_dict().items():
+        old, new = next((o, n) for o, n in renames if name.startswith(o))
+        tensors[new + name[len(old) :]] = t.contiguous()
+    tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)  # unused, still accepted
+    tensors["vision_tower.vision_model.post_layernorm.bias"] = torch.zeros(32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for name in os.listdir(folder):
+        if not name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as src, open(tmp_path / name, "wb") as dst:
+                dst.write(src.read())
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["architectures"] == ["LlavaForConditionalGeneration"]
+    got = prefill(runner_of(str(tmp_path)), prompt, pixels, [len(prompt)])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
