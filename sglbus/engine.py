@@ -18,12 +18,14 @@ from typing import Any
 import torch
 
 from services.detokenizer.service import DetokenizerService
+from services.gateway.image_inputs import ImageInputs
 from services.gateway.request_manager import RequestManager
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.service import SchedulerService
 from shared.config import EngineConfig
 from shared.gc_freeze import freeze_startup_objects, unfreeze
+from shared.media import MediaLimits
 from shared.model_files import resolve_model_folder
 from shared.tokenizer import load_tokenizer
 from shared.transport import InProcessTransport
@@ -39,6 +41,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.config.tokenizer_path or self.model_folder)
         runner = ModelRunner(self.config, self.model_folder)
         self.model_config = runner.model_config
+        # a vision-language model's images (image_data: base64, data URLs, bytes; no file paths)
+        images = ImageInputs.from_folder(self.model_folder, runner.model_config.vocab_size, MediaLimits())
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglbus-engine", daemon=True)
         self._thread.start()
@@ -57,6 +61,7 @@ class Engine:
                 cfg.subject_prefix,
                 runner.model_config.vocab_size,
                 runner.context_len,
+                images=images,
             )
             await self.scheduler_service.start()
             await self.detokenizer.start()
@@ -81,11 +86,14 @@ class Engine:
         return_flat_raw_top_logprobs: bool | None = None,
         return_flat_raw_top_logprobs_b64: bool | None = None,
         return_output_top_logprobs_b64: bool | None = None,
+        image_data: Any = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """SGLang's `/generate` response: a dict, a list of dicts for batch input or n > 1, or with
         stream=True an iterator of chunks (cumulative text and logprobs; batch chunks carry `index`).
-        The logprob arguments are `/generate`'s fields of the same names."""
-        obj = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+        The logprob arguments and image_data (a vision-language model's images: encoded bytes, base64
+        or data URLs; per prompt for a batch) are `/generate`'s fields of the same names."""
+        obj = {"text": text, "input_ids": input_ids, "image_data": image_data,
+               "sampling_params": sampling_params, "rid": rid,
                "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
                "top_logprobs_num": top_logprobs_num, "token_ids_logprob": token_ids_logprob,
                "return_text_in_logprobs": return_text_in_logprobs,

@@ -71,6 +71,7 @@ GATEWAY_LIMITS = (
     "max_buffered_bytes",
     "allowed_hosts",
     "grammar_check_timeout",
+    "allowed_media_dir",
 )
 _CREDENTIALS = ("SGLBUS_NATS_TOKEN", "SGLBUS_NATS_USER", "SGLBUS_NATS_PASSWORD", "SGLBUS_NATS_CREDS",
                 "SGLBUS_NATS_TLS_CA")  # fmt: skip

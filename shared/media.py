@@ -243,3 +243,15 @@ def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
         padded[max(0, -top) : max(0, -top) + h, max(0, -left) : max(0, -left) + w] = array
         array, top, left = padded, max(0, top), max(0, left)
     return array[top : top + height, left : left + width]
+
+
+def preprocessor_of(folder: str, image_size: int) -> ClipPreprocess:
+    """The model folder's `preprocessor_config.json`; without one, CLIP's processor at the vision tower's
+    `image_size` (shortest edge and crop), as LLaVA-1.5 ships it."""
+    import json
+
+    path = os.path.join(folder, "preprocessor_config.json")
+    if not os.path.isfile(path):
+        return ClipPreprocess({"size": {"shortest_edge": image_size}, "crop_size": image_size})
+    with open(path) as f:
+        return ClipPreprocess(json.load(f))

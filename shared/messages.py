@@ -34,6 +34,25 @@ class LogprobReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_ids: list[int] = []  # logprobs of these ids at every position
 
 
+def image_placeholder(vocab_size: int, image_hash: int) -> int:
+    """The id every placeholder slot of an image holds: past the vocabulary, the same for the same
+    picture and (almost always) different for another, so the prefix cache tells images apart."""
+    return vocab_size + image_hash % (1 << 30)
+
+
+class ImageInput(msgspec.Struct, kw_only=True):
+    """One image of a vision-language request: its placeholder tokens are input_ids[offset : offset +
+    length] (each `image_placeholder(vocab_size, hash)`), its pixels the
+    preprocessed image before normalisation (shared/media.py `ClipPreprocess.uint8`): uint8 [H, W, 3]."""
+
+    offset: int
+    length: int
+    hash: int
+    pixels: bytes
+    height: int
+    width: int
+
+
 class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A tokenized request, gateway -> scheduler."""
 
@@ -52,6 +71,8 @@ class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):
     # attempts before this message: a request the gateway routed again (its worker died) counts on
     # from there, so each delivery of the new message is a higher attempt than any of the old one's
     attempt_base: int = 0
+    # a vision-language model's images, in prompt order (their placeholders are in input_ids)
+    images: list[ImageInput] = []
 
 
 class LogprobOut(msgspec.Struct, kw_only=True, omit_defaults=True):

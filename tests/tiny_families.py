@@ -70,3 +70,38 @@ def save_folder(model, folder: str, tokenizer_from: str, **save_options) -> str:
         if os.path.isfile(src := os.path.join(tokenizer_from, name)):
             shutil.copy(src, folder)
     return folder
+
+
+# a tiny LLaVA: a CLIP tower of 56x56 images in 14x14 patches (16 rows an image) and a small Llama
+IMAGE = 49151  # its image token
+
+
+def build_llava(seed: int = 0):
+    """transformers' LlavaForConditionalGeneration, fp32, weights drawn larger than the init's."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, image_size=56, patch_size=14)  # fmt: skip
+    text = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE)
+    model = LlavaForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+# its processor: CLIP's, at the tower's size
+PREPROCESSOR = {
+    "size": {"shortest_edge": 56}, "crop_size": {"height": 56, "width": 56}, "do_center_crop": True,
+    "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True, "image_processor_type": "CLIPImageProcessor",
+}  # fmt: skip

@@ -20,9 +20,11 @@ import uvicorn
 from services.gateway.config import GatewayConfig
 from services.gateway.http_app import build_app
 from services.gateway.http_protocol import header_deadline
+from services.gateway.image_inputs import ImageInputs
 from services.gateway.service import ANSWER_S, Gateway
 from shared.config import add_cli_args, cli_overrides, from_env
 from shared.gc_freeze import freeze_startup_objects
+from shared.media import MediaLimits
 from shared.model_config import ModelConfig
 from shared.model_files import default_model_path
 from shared.nats_server import port_in_use
@@ -98,9 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer_path = cfg.tokenizer_path or folder
         tokenizer = load_checked(f"the tokenizer of {tokenizer_path}", lambda: load_tokenizer(tokenizer_path))
         model = load_checked(f"the model config of {folder}", lambda: ModelConfig.from_folder(folder))
+        limits = MediaLimits(media_dir=cfg.allowed_media_dir)
+        images = load_checked(f"the image processor of {folder}",
+                              lambda: ImageInputs.from_folder(folder, model.vocab_size, limits))  # fmt: skip
         transport = await connect(cfg.nats_url, "gateway", bus_auth(args))
         gateway = Gateway(
-            cfg, transport, tokenizer, model, cfg.model_path or default_model_path(), tokenizer_path
+            cfg, transport, tokenizer, model, cfg.model_path or default_model_path(), tokenizer_path, images
         )
         await gateway.start()
         freeze_startup_objects()  # no full-collection stalls of the HTTP loop (shared/gc_freeze.py)

@@ -128,6 +128,12 @@ class GatewayConfig:
         None, "HTTPS: the certificate file (PEM, with its chain), as SGLang's; with ssl_keyfile. Unset: HTTP"
     )
     ssl_keyfile: str | None = option(None, "HTTPS: the private key file (PEM) of ssl_certfile")
+    allowed_media_dir: str | None = option(
+        None,
+        "vision-language models: the only folder image_data file paths may name (a relative path is "
+        "inside it); unset: file paths are refused (base64 and data URLs always work; URLs are never "
+        "fetched)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -165,3 +171,5 @@ class GatewayConfig:
             raise ValueError("router_balance_weight must be >= 0")
         if not self.shutdown_timeout >= 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        if self.allowed_media_dir is not None and not os.path.isdir(self.allowed_media_dir):
+            raise ValueError(f"allowed_media_dir {self.allowed_media_dir!r} is not a folder")

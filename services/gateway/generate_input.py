@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -15,10 +15,13 @@ from services.gateway.logprob_options import LogprobOptions, parse_logprob_optio
 from shared.sampling_params import SamplingParams
 from shared.sglang_fields import GENERATE_REQ_INPUT, SGLANG_VERSION, is_default
 
+if TYPE_CHECKING:
+    from shared.messages import ImageInput
+
 # fields the engine honours: these, and the logprob fields (one beyond SGLang among them)
 SUPPORTED = (
     "text", "input_ids", "sampling_params", "rid", "stream", "log_metrics", "return_prompt_token_ids",
-    "require_reasoning", "data_parallel_rank", *LOGPROB_FIELDS,
+    "require_reasoning", "data_parallel_rank", "image_data", *LOGPROB_FIELDS,
 )  # fmt: skip
 # the rest of SGLang's fields, which the engine cannot honour yet: accepted at their defaults, else 400
 NOT_YET = {k: v for k, v in GENERATE_REQ_INPUT.items() if k not in SUPPORTED}
@@ -40,6 +43,10 @@ class Prompt:
     require_reasoning: bool = False
     # data_parallel_rank: run on this worker (its worker id is the rank's number), not the router's pick
     dp_rank: int | None = None
+    # image_data: this prompt's images as sent (an image or a list of them; a vision-language model's);
+    # once tokenized (RequestManager.submit), None and image_inputs holds them, expanded into input_ids
+    images: list | str | bytes | None = None
+    image_inputs: list[ImageInput] | None = None
 
 
 @dataclass
@@ -96,9 +103,10 @@ def parse_generate_input(obj: Any, max_states: int | None = None) -> GenerateInp
     dp_rank = obj.get("data_parallel_rank")
     if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or dp_rank < 0):
         raise ValueError("data_parallel_rank must be a worker's number (an integer >= 0) or null")
+    rids, images = _rids(obj.get("rid"), n, is_batch), _image_data(obj.get("image_data"), n, is_batch)
     prompts = [
-        Prompt(r, t, i, p, lp, bool(prompt_ids), bool(reasoning), dp_rank)
-        for r, (t, i), p, lp in zip(_rids(obj.get("rid"), n, is_batch), items, params, logprobs, strict=True)
+        Prompt(r, t, i, p, lp, bool(prompt_ids), bool(reasoning), dp_rank, im)
+        for r, (t, i), p, lp, im in zip(rids, items, params, logprobs, images, strict=True)
     ]
     # n > 1: one response per sample, grouped prompt by prompt, always a list (as SGLang)
     return GenerateInput(prompts, is_batch or params[0].n > 1, bool(stream))
@@ -179,6 +187,35 @@ def check_vocabulary(ids: list[int], vocab_size: int) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"input_ids contains token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+_IMAGE = (str, bytes, bytearray)  # base64, a data URL or a file path; bytes from the offline Engine
+
+
+def _image_data(data: Any, n: int, is_batch: bool) -> list[Any]:
+    """Each prompt's images, as SGLang reads image_data: for one prompt an image or a list of them; for a
+    batch a list of one entry per prompt (null, an image, or a list of images), or one image for all."""
+    if data is None or (isinstance(data, list) and not data):
+        return [None] * n
+    if not is_batch or isinstance(data, _IMAGE):
+        return [_prompt_images(data, "image_data")] * n
+    if not isinstance(data, list) or len(data) != n:
+        got = f"a list of {len(data)}" if isinstance(data, list) else f"of type {type(data).__name__}"
+        raise ValueError(f"image_data is {got} for {n} prompts; give a list of one entry per prompt (null, "
+                         "an image, or a list of images)")  # fmt: skip
+    return [_prompt_images(d, f"image_data[{i}]") for i, d in enumerate(data)]
+
+
+def _prompt_images(data: Any, field: str) -> Any:
+    """One prompt's entry: None (no images), an image, or a non-empty list of images."""
+    if data is None or (isinstance(data, list) and not data):
+        return None
+    for j, x in enumerate(data if isinstance(data, list) else [data]):
+        if not isinstance(x, _IMAGE):
+            where, what = (f"{field}[{j}]", "") if isinstance(data, list) else (field, " or a list of images")
+            got = "null" if x is None else type(x).__name__
+            raise ValueError(f"{where} must be an image (base64, a data URL or a file path){what}, not {got}")
+    return data
 
 
 def _rids(rid: Any, n: int, is_batch: bool) -> list[str]:

@@ -30,6 +30,7 @@ import msgspec
 from services.gateway import sglang_shape
 from services.gateway.body_parser import BodyParser
 from services.gateway.generate_input import GenerateInput, Prompt, check_states, parse_generate_input
+from services.gateway.image_inputs import ImageInputs, prompt_images
 from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.request_prep import check_logprobs, logprob_factory, nth_sample, warm_prompt
 from services.gateway.request_state import Delta, RequestState
@@ -44,6 +45,7 @@ T = TypeVar("T")
 
 if TYPE_CHECKING:
     from services.gateway.metrics import GatewayMetrics
+    from shared.messages import ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +83,14 @@ class RequestManager:
         max_request_states: int = 4096,
         max_inflight: int = 16384,
         max_inflight_per_client: int | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         """reasoning_parser: the server's --reasoning-parser, whose end tag a request with
         require_reasoning holds its grammar back for (None: such a request is refused).
         max_request_states: prompts x n per request (400 past it); max_inflight: requests in flight
-        here (503 past it): one client's request cannot make millions of states."""
+        here (503 past it): one client's request cannot make millions of states.
+        images: a vision-language model's image handling (None: a text model; image_data is refused)."""
+        self.images = images
         self.max_request_states, self.max_inflight = max_request_states, max_inflight
         self.max_per_client = max_inflight_per_client
         self._per_owner: Counter[str] = Counter()  # requests in flight per owner (its states)
@@ -160,9 +165,9 @@ class RequestManager:
         states returned are the samples'."""
         self._check_accepting()
         self._admit(req, owner)
-        prompts = [
-            dataclasses.replace(p, text=None, input_ids=await self._checked_ids(p)) for p in req.prompts
-        ]
+        many = len(req.prompts) > 1
+        prompts = [await self._checked(p, f"image_data[{i}]" if many else "image_data")
+                   for i, p in enumerate(req.prompts)]  # fmt: skip
         n = prompts[0].sampling.n
         if n == 1:
             return [st for (st,) in await self._publish([[p] for p in prompts], owner)]
@@ -202,14 +207,20 @@ class RequestManager:
         """fn(*args) on the tokenizer's threads, so the event loop keeps answering meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _checked_ids(self, p: Prompt) -> list[int]:
-        """`_validate` on a thread for a long prompt, so the event loop keeps answering."""
-        if len(p.text or p.input_ids or ()) <= _OFF_LOOP_LEN and grammar_of(p.sampling) is None:
-            return self._validate(p)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._validate, p)
+    async def _checked(self, p: Prompt, field: str) -> Prompt:
+        """The prompt as it goes on the bus: its ids (images expanded: image_inputs), no text or raw
+        images. `_validate` runs on a thread for a long prompt or one with images (decoding them takes
+        milliseconds each), so the event loop keeps answering."""
+        short = len(p.text or p.input_ids or ()) <= _OFF_LOOP_LEN
+        if short and p.images is None and grammar_of(p.sampling) is None:
+            ids, images = self._validate(p, field)
+        else:
+            ids, images = await self.off_loop(self._validate, p, field)
+        return dataclasses.replace(p, text=None, input_ids=ids, images=None, image_inputs=images or None)
 
-    def _validate(self, p: Prompt) -> list[int]:
-        """The prompt's token ids, after every check that needs the tokenizer or the vocabulary."""
+    def _validate(self, p: Prompt, field: str = "image_data") -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids and images, after every check that needs the tokenizer, the vocabulary
+        or the images; `field`: where its images are in the request (image_data[i] in a batch)."""
         ids = self.prompt_tokens.ids(p)
         p.sampling.verify(self.vocab_size)
         grammar = grammar_of(p.sampling)
@@ -219,17 +230,19 @@ class RequestManager:
         if todo:
             names = ", ".join(todo)
             raise ValueError(f"sampling parameter(s) {names} cannot be honoured yet; leave them unset")
+        max_payload = self.transport.max_payload
+        ids, images = prompt_images(self.images, p, ids, field, self.context_len, max_payload)
         if p.input_ids is None and self.context_len is not None:  # the prompt, and + max_new_tokens
             p.sampling.verify_length(len(ids), self.context_len)
         if p.logprob is not None:
-            check_logprobs(p.logprob, len(ids), self.vocab_size, self.transport.max_payload)
+            check_logprobs(p.logprob, len(ids), self.vocab_size, max_payload)
         if p.dp_rank is not None and self.router is not None and str(p.dp_rank) not in self.router.live():
             live = ", ".join(self.router.live()) or "none yet"
             raise ValueError(f"data_parallel_rank {p.dp_rank} names no live worker; live workers: {live}")
         if p.require_reasoning and self.reasoning_parser is None:
             raise ValueError("require_reasoning needs a server started with --reasoning-parser (it names the "
                              "tag that ends the reasoning); leave it unset")  # fmt: skip
-        return ids
+        return ids, images
 
     async def _publish(self, groups: list[list[Prompt]], owner: str) -> list[list[RequestState]]:
         """Each group is one message for one scheduler: its first request, and the others to run there
@@ -262,7 +275,7 @@ class RequestManager:
                 reqs.append(GenerateReq(rid=st.rid, input_ids=p.input_ids, sampling=p.sampling,
                                         out_subject=self.out_subject, created=now,
                                         logprob=p.logprob.request() if p.logprob else None,
-                                        reasoning_end=end))  # fmt: skip
+                                        reasoning_end=end, images=p.image_inputs or []))  # fmt: skip
             if len(members) > 1:
                 for st in members:
                     st.group = members

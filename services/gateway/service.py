@@ -17,6 +17,7 @@ import orjson
 from services.gateway.bus_api import BusApi
 from services.gateway.config import GatewayConfig
 from services.gateway.fanout import FanOut, combine_server_info, gather
+from services.gateway.image_inputs import ImageInputs
 from services.gateway.metrics import GatewayMetrics, checked_snapshot
 from services.gateway.openai_serving import OpenAIServing
 from services.gateway.request_manager import RequestManager
@@ -34,14 +35,16 @@ ANSWER_S = 5.0  # after a drain, for the responses of the requests it ended to g
 
 class Gateway:
     def __init__(self, cfg: GatewayConfig, transport: Transport, tokenizer: Any, model: ModelConfig,
-                 model_path: str, tokenizer_path: str) -> None:  # fmt: skip
+                 model_path: str, tokenizer_path: str,
+                 images: ImageInputs | None = None) -> None:  # fmt: skip
+        """images: a vision-language model's image handling (ImageInputs.from_folder); None: text only."""
         self.cfg, self.transport, self.tokenizer = cfg, transport, tokenizer
         self.model, self.model_path, self.tokenizer_path = model, model_path, tokenizer_path
         self.subjects = Subjects(cfg.subject_prefix)
         self.requests = RequestManager(tokenizer, transport, cfg.subject_prefix, model.vocab_size,
                                        None, cfg.gateway_id, cfg.reasoning_parser,
                                        cfg.max_request_states, cfg.max_inflight_requests,
-                                       cfg.max_inflight_per_client)  # fmt: skip
+                                       cfg.max_inflight_per_client, images=images)  # fmt: skip
         set_check_timeout(cfg.grammar_check_timeout)  # the grammar checks `requests` runs (grammar_text.py)
         self.openai = OpenAIServing(self.requests, lambda: (self.served_model_name, model_path, "default"),
                                     cfg.reasoning_parser)  # fmt: skip
@@ -382,7 +385,7 @@ class Gateway:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
-            "has_image_understanding": False,
+            "has_image_understanding": self.requests.images is not None,
             "has_audio_understanding": False,
             "model_type": "llama",
             "architectures": [self.model.architecture],

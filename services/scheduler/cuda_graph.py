@@ -102,6 +102,7 @@ class CudaGraphRunner:
             fb.mode is ForwardMode.DECODE
             and fb.lp_idx is None
             and fb.cascade is None
+            and fb.mm is None
             and fb.batch_size <= self.max_bs
         )
 

@@ -20,6 +20,7 @@ from shared.sampling_params import SamplingParams
 from shared.transport import Work
 
 if TYPE_CHECKING:
+    from services.scheduler.images import Vision
     from services.scheduler.memory import KVPool
     from services.scheduler.quarantine import Quarantine
     from services.scheduler.step_output import StepOutput
@@ -35,6 +36,7 @@ class RequestIntake:
     kv: KVPool
     vocab_size: int
     context_len: int
+    vision: Vision | None  # a vision-language model's (images.py)
     eos_ids: tuple[int, ...]
     cfg: EngineConfig
     held: dict[int, list[Req]]  # a request's uid -> the requests that run after it (GenerateReq.then)
@@ -83,7 +85,7 @@ class RequestIntake:
     def _checked(self, msg: GenerateReq, work: Work | None) -> Req:
         """The request to queue, or refused: answered at once, its finish set."""
         try:
-            problem = check_request(msg, self.vocab_size, self.context_len, self.kv.size)
+            problem = check_request(msg, self.vocab_size, self.context_len, self.kv.size, self.vision)
             req = Req(msg, self.eos_ids, self.context_len)
         except Exception as e:  # values of the wrong type: only a struct built in-process can have them
             problem = f"invalid request: {type(e).__name__}: {e}"

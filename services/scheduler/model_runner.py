@@ -25,6 +25,7 @@ import torch
 from services.scheduler.attention import create_backend, resolve_backend_name
 from services.scheduler.attention.base import AttentionBackend
 from services.scheduler.forward_batch import ForwardBatch, LogitsOutput
+from services.scheduler.images import Vision
 from services.scheduler.memory import KVPool, ReqToTokenPool
 from services.scheduler.models import model_class
 from services.scheduler.models.ops import make_ops
@@ -33,6 +34,7 @@ from services.scheduler.parallel.group import SINGLE_RANK, TensorParallel, free_
 from services.scheduler.parallel.shard import check_heads
 from services.scheduler.sampling.sampler import SamplingInfo, sample
 from shared.config import EngineConfig
+from shared.media import preprocessor_of
 from shared.model_config import ModelConfig
 from shared.model_files import iter_weight_slices
 
@@ -141,6 +143,10 @@ class ModelRunner:
             model.load_weights(iter_weight_slices(self.model_folder))
         model.set_ops(make_ops(self.backend_name, config.moe_runner_backend))
         self.model = model.eval()
+        self.vision: Vision | None = None  # a vision-language model's image handling (images.py)
+        if mc.vision is not None:
+            size = model.vision_tower.image_size
+            self.vision = Vision(size, model.tokens_per_image, preprocessor_of(self.model_folder, size))
         log.info("loaded %s in %.1f s", self.model_folder, time.perf_counter() - t0)
 
         if self.device.type == "cuda":
@@ -224,6 +230,12 @@ class ModelRunner:
             return self.graphs.replay(fb)
         self.attn.prepare(fb)
         return self.model(fb, self.attn)
+
+    @torch.inference_mode()
+    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Normalised images [N, 3, S, S] -> their rows [N, tokens_per_image, hidden] (on this rank:
+        the rows reach the other ranks with the step, ForwardBatch.mm)."""
+        return self.model.image_features(pixels)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from services.scheduler.constrained.grammar import GrammarSpec, Matcher
+from services.scheduler.images import Vision, spans_of, text_ids_in_range
 from services.scheduler.radix_cache import TreeNode
 from shared.finish import FinishReason, Length, Stop
 from shared.grammar_text import grammar_of
@@ -45,7 +46,7 @@ class Req:
         "arrival", "stop_ids", "num_cached", "num_computed", "last_node", "row", "cached_tokens",
         "finish", "announced", "extend_len", "min_new_mask", "lp", "lp_pos", "lp_end", "lp_in", "lp_out",
         "work_token", "attempt", "pending", "pending_at", "pending_step", "grammar", "matcher",
-        "reasoning_end", "queued_tokens",
+        "reasoning_end", "queued_tokens", "images",
     )  # fmt: skip
 
     def __init__(self, msg: GenerateReq, eos_ids: tuple[int, ...], context_len: int = 1 << 62) -> None:
@@ -97,6 +98,7 @@ class Req:
         self.reasoning_end = msg.reasoning_end  # the grammar waits for this tag (reasoning_gate.py)
         # prompt tokens it will compute, as estimated when it arrived (its worker's load report)
         self.queued_tokens = len(msg.input_ids)
+        self.images = spans_of(msg) if msg.images else []  # a vision-language request's (images.py)
 
     @property
     def fill(self) -> list[int]:
@@ -135,8 +137,11 @@ class Req:
             self.finish = Length(len(self.output))
 
 
-def check_request(msg: GenerateReq, vocab_size: int, context_len: int, pool_size: int) -> str | None:
-    """Why the scheduler cannot run this request (the message for its 400), or None."""
+def check_request(
+    msg: GenerateReq, vocab_size: int, context_len: int, pool_size: int, vision: Vision | None = None
+) -> str | None:
+    """Why the scheduler cannot run this request (the message for its 400), or None. vision: the
+    model's, for a vision-language model (its images are checked too)."""
     n = len(msg.input_ids)
     if n == 0:
         return "the prompt is empty"
@@ -149,7 +154,13 @@ def check_request(msg: GenerateReq, vocab_size: int, context_len: int, pool_size
     todo = s.unsupported()
     if todo:
         return f"sampling parameter(s) {', '.join(todo)} cannot be honoured yet; leave them unset"
-    if min(msg.input_ids) < 0 or max(msg.input_ids) >= vocab_size:
+    if msg.images:
+        if vision is None:
+            return "this model takes no images (image_data needs a vision-language model such as LLaVA)"
+        problem = vision.check(msg, vocab_size)
+        if problem is not None:
+            return problem
+    if not text_ids_in_range(msg, vocab_size):
         return f"input_ids must be token ids in [0, {vocab_size})"
     if n + 1 > pool_size:
         return f"the prompt needs {n + 1} KV slots; the pool has {pool_size}"

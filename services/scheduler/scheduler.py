@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,6 +81,7 @@ class Scheduler(RequestIntake, PoolState):
         self.max_running = runner.max_running_requests
         self.eos_ids = runner.model_config.eos_token_ids
         self.vocab_size = runner.model_config.vocab_size
+        self.vision = runner.vision
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.held: dict[int, list[Req]] = {}
@@ -314,7 +315,8 @@ class Scheduler(RequestIntake, PoolState):
         assert loc is not None and loc.numel() == step.num_tokens, "the step's slots were promised"
         self._promised, self._step_slots = 0, loc
         cascade = self.cascade.plan(decodes) if self.cascade else None
-        if cascade is None and step.fits_rows(self.runner.rows_max_tokens):
+        mm = self.vision.rows(batch, self.runner) if self.vision else None  # images' rows, where due
+        if cascade is None and mm is None and step.fits_rows(self.runner.rows_max_tokens):
             step.as_rows()
             self.stats["row_steps"] += 1
         self.timer.lap("slots")
@@ -323,7 +325,7 @@ class Scheduler(RequestIntake, PoolState):
             assert self._inflight is not None and self._inflight.drawn is not None
             in_flight = self._inflight.drawn.safe
         fb = step.forward_batch(loc, self.req_to_token.table, self.runner.device, cascade, in_flight)
-        return fb, step
+        return (fb if mm is None else replace(fb, mm=mm)), step
 
     def _launch(self, batch: list[Req], defer: bool = False) -> _Step:
         """Run the batch's forward and draw its tokens, without waiting for them (overlap) or not.

@@ -12,35 +12,13 @@ import os
 
 import pytest
 import torch
-from tiny_families import save_folder
+from tiny_families import IMAGE, build_llava, save_folder
 
 from services.scheduler.forward_batch import ForwardBatch, MultimodalBatch
 from services.scheduler.model_runner import ModelRunner
 from shared.config import EngineConfig
 
-IMAGE = 49151
 TOKENS = 16  # (56 / 14) ** 2 patches, CLS dropped
-
-
-def build_llava(seed: int = 0):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                              num_attention_heads=4, image_size=56, patch_size=14)  # fmt: skip
-    text = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE)
-    model = LlavaForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.1)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ BAD: dict[str, tuple[Any, list[str]]] = {
         {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]},
         ["sampling_params.n", "same for every prompt"],
     ),
-    "image_data_not_yet": ({"text": "hi", "image_data": "cat.png"}, ["image_data", "not supported yet"]),
+    "image_data_text_model": ({"text": "hi", "image_data": "cat.png"}, ["image_data", "takes no images"]),
     "structural_tag_not_yet": (sp(structural_tag="{}"), ["structural_tag", "cannot be honoured yet"]),
     "regex_unparsable": (sp(regex="[0-9"), ["sampling_params.regex is invalid", "unclosed character class"]),
     "json_schema_not_json": (sp(json_schema="{nope"), ["sampling_params.json_schema is not JSON"]),

@@ -37,6 +37,7 @@ class CrashingRunner:
 
     overlap_schedule = False
     rows_max_tokens = 0
+    vision = None  # a text model
 
     def __init__(self, crash: type[BaseException], batches: list[list[int]], pool: int = 512) -> None:
         self.crash, self.batches = crash, batches

@@ -114,6 +114,7 @@ REQ_VALUES: dict[str, st.SearchStrategy[Any]] = {
         st.booleans(),
     ),
     "data_parallel_rank": ints | st.none(),
+    "image_data": per_prompt(texts | st.lists(texts, max_size=2)),  # an image, or a list, per prompt
     # fields not honoured yet: their defaults (accepted) or anything (refused)
     **{k: st.just(v) | st.lists(st.just(v), max_size=2) for k, v in NOT_YET.items()},
 }

@@ -32,6 +32,7 @@ class FakeRunner:
 
     overlap_schedule = False
     rows_max_tokens = 0  # no CUDA graphs: extends stay extends
+    vision = None  # a text model
 
     def __init__(self, pool: int = 256, context: int = 64, rows: int = 8) -> None:
         self.device = torch.device("cpu")

@@ -3,15 +3,16 @@ each forward rank 0 runs, on the inputs rank 0 sends them.
 
 Rank 0 (the scheduler's process) starts them (`Followers`: `python -m
 services.scheduler.parallel.followers`, so nothing of the caller's main module runs again there), and
-before each forward sends every follower a header down its pipe: the step's packed host tensor and
-its layout (services/scheduler/forward_batch.py), the req_to_token writes made since the last step
-(`ReqToTokenPool.take_journal`) and the cascade plan's shape; then one device broadcast carries what
-only rank 0's device has: the input ids (the step in flight drew some), the new tokens' KV slots, the
-written rows' slots and the cascade plan's tensors. Each follower rebuilds the ForwardBatch, makes the
-same req_to_token writes and runs the same forward (eager or CUDA graph), so the all-reduces and the
-logits' all-gather meet. Sampling happens on rank 0 alone: the tokens reach the followers as the next
-step's input ids. Prompt logprobs turn hidden states into logits on every rank the same way
-(`logits`).
+before each forward sends every follower a header down its pipe: the step's packed host tensor and its
+layout (services/scheduler/forward_batch.py), the req_to_token writes made since the last step
+(`ReqToTokenPool.take_journal`), the cascade plan's shape and the images' rows' shape; then one device
+broadcast carries what only rank 0's device has: the input ids (the step in flight drew some), the new
+tokens' KV slots, the written rows' slots, the cascade plan's tensors and the image rows' positions,
+and another the image rows (a vision-language model's tower runs on rank 0). Each follower rebuilds the
+ForwardBatch, makes the same req_to_token writes and runs the same forward (eager or CUDA graph), so
+the all-reduces and the logits' all-gather meet. Sampling happens on rank 0 alone: the tokens reach the
+followers as the next step's input ids. Prompt logprobs turn hidden states into logits on every rank
+the same way (`logits`).
 
 Failure: a rank is the worker or nothing. Rank 0 watches its followers and ends its own process when
 one dies (the supervisor restarts the whole worker, followers included); a follower ends when rank 0
@@ -19,6 +20,7 @@ does (its pipe closes, or its parent changes), so no group is left half alive.""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing.connection
 import os
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.forward_batch import ForwardBatch, MultimodalBatch
 from sglbus_kernels.cascade_plan import CascadePlan
 
 if TYPE_CHECKING:
@@ -98,11 +100,16 @@ class Followers:
             if plan is None
             else (plan.num_tiles, plan.block_r, [getattr(plan, f).numel() for f in _CASCADE_FIELDS])
         )
-        self._send(("forward", host.numpy(), layout, [(r, s, t.numel()) for r, s, t in journal], cascade))
+        mm = None if fb.mm is None else (tuple(fb.mm.embeds.shape), fb.mm.embeds.dtype)
+        self._send(("forward", host.numpy(), layout, [(r, s, t.numel()) for r, s, t in journal], cascade, mm))
         parts = [fb.input_ids, fb.out_cache_loc, *(t for _, _, t in journal)]
         if plan is not None:
             parts += [getattr(plan, f) for f in _CASCADE_FIELDS]
+        if fb.mm is not None:
+            parts.append(fb.mm.positions)
         runner.tp.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
+        if fb.mm is not None:  # the images' rows: computed on this rank only
+            runner.tp.broadcast(fb.mm.embeds.contiguous())
 
     def logits(self, hidden: torch.Tensor, runner: ModelRunner) -> None:
         """Send hidden states [N, H] whose logits rank 0 is about to compute (prompt logprobs)."""
@@ -162,14 +169,22 @@ def follow(pipe: multiprocessing.connection.Connection) -> None:
     runner.close()
 
 
-def _rebuild(runner: ModelRunner, host: np.ndarray, layout: Any, journal: list, cascade: Any) -> ForwardBatch:
-    """The step's ForwardBatch from rank 0's header and broadcast, with req_to_token updated."""
+def _rebuild(
+    runner: ModelRunner, host: np.ndarray, layout: Any, journal: list, cascade: Any, mm: Any
+) -> ForwardBatch:
+    """The step's ForwardBatch from rank 0's header and broadcasts, with req_to_token updated."""
     t = layout.num_tokens
     sizes = [t, t, *(n for _, _, n in journal)]
     if cascade is not None:
         sizes += cascade[2]
+    if mm is not None:
+        sizes.append(mm[0][0])
     payload = runner.tp.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=runner.device))
     ids, loc, *rest = payload.split(sizes)
+    images = None
+    if mm is not None:
+        embeds = runner.tp.broadcast(torch.empty(mm[0], dtype=mm[1], device=runner.device))
+        images = MultimodalBatch(embeds, rest.pop())
     table = runner.req_to_token.table
     for (row, start, n), slots in zip(journal, rest, strict=False):
         table[row, start : start + n] = slots
@@ -178,7 +193,7 @@ def _rebuild(runner: ModelRunner, host: np.ndarray, layout: Any, journal: list, 
         plan = CascadePlan(*rest[len(journal) :], num_tiles=cascade[0], block_r=cascade[1])
     fb = ForwardBatch.from_host(torch.from_numpy(host), layout, loc, runner.device, plan, input_ids=ids)
     fb.store_slots(table)
-    return fb
+    return fb if images is None else dataclasses.replace(fb, mm=images)
 
 
 if __name__ == "__main__":
