@@ -59,7 +59,7 @@ class TensorParallel:
             return x
         out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
         dist.all_gather(list(out.unbind(0)), x.contiguous())
-        return out.permute(1, 0, 2).reshape(x.shape[0], -1)
+        return out.permute(1, 0, 2).reshape(x.shape[0], self.size * x.shape[1])  # (N may be 0)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank (in place)."""
