@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.openai_errors import OpenAIError
+from services.gateway.openai_images import ChatImage, content_parts
 from services.gateway.openai_reasoning import ReasoningPlan, plan_reasoning
 from services.gateway.openai_tools import ToolPlan, plan_tools, tool_calls_text
 from shared.reasoning_parser import reasoning_end, reasons_by_default
@@ -118,6 +119,8 @@ class OpenAIRequest:
     echo: bool  # completions: the prompt before each choice's text
     tools: ToolPlan | None  # chat with tools: how the output is read
     reasoning: ReasoningPlan | None = None  # chat with the reasoning apart: how the output is split
+    # chat with images: where each image_data entry was (messages[i].content[j].image_url), to name it
+    image_params: tuple[str, ...] = ()
 
 
 def parse_completion(body: Any, models: tuple[str, ...]) -> OpenAIRequest:
@@ -172,12 +175,15 @@ def parse_chat(
     models: tuple[str, ...],
     render: Callable[[list[dict[str, Any]]], list[int]],
     reasoning_parser: str | None = None,
+    takes_images: bool = False,
 ) -> OpenAIRequest:
-    """render: the messages (plain role / content dicts) through the model's chat template, as ids;
-    reasoning_parser: the server's (None: the answer is not split)."""
+    """render: the messages (role / content dicts; a content with images is a list of text and image
+    parts, openai_images.py) through the model's chat template, as ids; reasoning_parser: the server's
+    (None: the answer is not split); takes_images: a vision-language model (image_url parts allowed)."""
     obj = _object(body, _CHAT + ("messages",))
     model = _model(obj, models)
-    messages = _messages(obj.get("messages"))
+    images: list[ChatImage] = []
+    messages = _messages(obj.get("messages"), takes_images, images)
     limit = obj.get("max_completion_tokens")
     limit = _int_field(obj, "max_completion_tokens" if limit is not None else "max_tokens", 0, None, None)
     sampling = _sampling(obj, limit)
@@ -207,6 +213,8 @@ def parse_chat(
         raise OpenAIError("top_logprobs requires logprobs: true", "top_logprobs")
     try:
         ids = render(messages)
+    except OpenAIError:  # the render's own checks, with their param
+        raise
     except Exception as e:  # the template refused the conversation (roles out of order, ...)
         raise OpenAIError(
             f"messages could not be rendered with the model's chat template: {e}", "messages"
@@ -214,6 +222,8 @@ def parse_chat(
     gen: dict[str, Any] = {"rid": _rid(obj, "chatcmpl"), "input_ids": ids, "sampling_params": sampling}
     if think_first:
         gen["require_reasoning"] = True
+    if images:
+        gen["image_data"] = [im.url for im in images]
     _logprobs(gen, (top or 0) if want else None, prompt_too=False)
     return OpenAIRequest(
         "chat",
@@ -227,6 +237,7 @@ def parse_chat(
         False,
         tools,
         reasoning,
+        tuple(im.param for im in images),
     )
 
 
@@ -339,7 +350,8 @@ def _response_format(fmt: Any) -> str | None:
     )
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
+def _messages(messages: Any, takes_images: bool, images: list[ChatImage]) -> list[dict[str, Any]]:
+    """Plain role / content dicts; the image parts' urls go to `images`, in order."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("messages must be a non-empty list of messages", "messages")
     out = []
@@ -351,31 +363,25 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
                 "assistant, tool",
                 "messages",
             )
-        content = _content(m.get("content"), i)
+        content = _content(m.get("content"), i, role, takes_images, images)
         if role == "assistant" and m.get("tool_calls"):  # the calls as the model wrote them
             content += tool_calls_text(m["tool_calls"], i)
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 
-def _content(content: Any, i: int) -> str:
+def _content(
+    content: Any, i: int, role: str, takes_images: bool, images: list[ChatImage]
+) -> str | list[dict[str, str]]:
+    """A string, or (a message with images) its list of text and image parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            else:
-                raise OpenAIError(
-                    f"messages[{i}].content has a part of type {kind!r}; this model takes text parts only",
-                    "messages",
-                )
-        return "".join(texts)
-    raise OpenAIError(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        return content_parts(content, i, role, takes_images, images)
+    parts = "text and image_url parts" if takes_images else "text parts"
+    raise OpenAIError(f"messages[{i}].content must be a string or a list of {parts}", "messages")
 
 
 def _logprobs(gen: dict[str, Any], top: int | None, prompt_too: bool) -> None:

@@ -11,9 +11,18 @@ from typing import Any
 
 from services.gateway.generate_input import GenerateInput, decode_json, parse_generate_input
 from services.gateway.openai_errors import OpenAIError, server_error
+from services.gateway.openai_images import (
+    check_image_tokens,
+    content_chars,
+    image_error,
+    image_parts,
+    template_messages,
+    template_takes_parts,
+)
 from services.gateway.openai_requests import OpenAIRequest, parse_chat, parse_completion
 from services.gateway.openai_responses import StreamShaper, chat_response, completion_response
 from services.gateway.request_manager import RequestManager
+from shared.media import MediaError
 from shared.transport import BusUnavailable
 
 KINDS = ("completion", "chat")
@@ -49,16 +58,26 @@ class OpenAIServing:
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Chat messages through the model's chat template, as token ids; messages far too long for the
-        context are refused before (templating and tokenizing megabytes takes seconds)."""
-        chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        context are refused before (templating and tokenizing megabytes takes seconds). A vision-language
+        model's messages go as its template reads them, with its image token for each image part
+        (openai_images.py), and the ids must hold one image token per part."""
+        chars = sum(content_chars(m["content"]) for m in messages)
         try:
             self.requests.prompt_tokens.refuse_far_too_long(chars)
         except ValueError as e:
             raise OpenAIError(str(e), "messages") from None
+        images = self.requests.images
+        if images is not None:
+            parts = image_parts(messages)
+            takes_parts = template_takes_parts(getattr(self.tokenizer, "chat_template", None))
+            messages = template_messages(messages, images.image_token, takes_parts)
         out = self.tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=True
         )
-        return list(out["input_ids"])
+        ids = list(out["input_ids"])
+        if images is not None:
+            check_image_tokens(ids, images.image_token_id, images.image_token, parts)
+        return ids
 
     async def parse(self, kind: str, data: bytes) -> Parsed:
         """The body checked under OpenAI's names and as the `/generate` request it becomes: whether it
@@ -76,7 +95,8 @@ class OpenAIServing:
             body = decode_json(data)
             stream = isinstance(body, dict) and body.get("stream") is True
             if kind == "chat":
-                req = parse_chat(body, self.models(), self.render, self.reasoning_parser)
+                takes_images = self.requests.images is not None
+                req = parse_chat(body, self.models(), self.render, self.reasoning_parser, takes_images)
             else:
                 req = parse_completion(body, self.models())
             return stream, (req, parse_generate_input(req.generate, self.requests.max_request_states))
@@ -90,6 +110,8 @@ class OpenAIServing:
         owner: who may abort it by its rid (http_auth.Caller)."""
         try:
             states = await self.requests.submit(gen, owner)
+        except MediaError as e:  # an image that does not decode, or too many: named by its chat part
+            raise image_error(e, req.image_params) from None
         except ValueError as e:  # the checks every request passes (prompt length, vocabulary, grammar)
             raise OpenAIError(str(e)) from None
         except BusUnavailable as e:

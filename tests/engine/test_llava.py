@@ -122,3 +122,74 @@ def test_two_ranks_give_the_same_tokens(llava, refs):
         out = e.generate(input_ids=[ONE, TWO], image_data=[CAT, [CAT, DOG]], sampling_params=GREEDY)
         assert [o["output_ids"] for o in out] == [refs["one"], refs["two"]]
         e.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def chat_engine(llava, tmp_path_factory):
+    """An Engine on a copy of the tiny LLaVA whose tokenizer encodes `<image>` as its image token: the
+    default model's tokenizer (SmolLM2) has id 49151 as a plain piece ("ectable", its vocabulary's last
+    one, made by its last merge), so the piece is renamed `<image>`, that merge dropped, and `<image>`
+    made an added special token (tokenizer.json) that tokenizer_config.json names, as a LLaVA's is."""
+    import shutil
+
+    from sglbus import Engine
+
+    folder = str(tmp_path_factory.mktemp("llava-chat") / "model")
+    shutil.copytree(llava[1], folder)
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    bpe = tokenizer["model"]
+    (piece,) = [p for p, i in bpe["vocab"].items() if i == IMAGE]
+    del bpe["vocab"][piece]
+    bpe["vocab"]["<image>"] = IMAGE
+    bpe["merges"] = [m for m in bpe["merges"] if "".join(m.split(" ") if isinstance(m, str) else m) != piece]
+    token = {"content": "<image>", "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}  # fmt: skip
+    tokenizer["added_tokens"].append({"id": IMAGE, **token})
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer, f)
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    config.setdefault("added_tokens_decoder", {})[str(IMAGE)] = token
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    with Engine(model_path=folder, dtype="float32", chunked_prefill_size=12) as e:
+        yield e
+        e.check_integrity()
+
+
+def test_a_chat_with_an_image_equals_generate_on_its_rendered_prompt(llava, chat_engine):
+    """/v1/chat/completions (OpenAIServing over the Engine's request manager) with a data URL: the
+    image part becomes `<image>` where it was (SmolLM2's ChatML template reads strings), and greedy
+    output equals `/generate` on the rendered text with the same image, and transformers' on its ids."""
+    import orjson
+
+    from services.gateway.openai_serving import OpenAIServing
+
+    url = "data:image/png;base64," + base64.b64encode(CAT).decode()
+    content = [{"type": "text", "text": "Look: "},
+               {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+               {"type": "text", "text": " what is it?"}]  # fmt: skip
+    body = {"model": "llava", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": NEW, "ignore_eos": True, "logprobs": True}  # fmt: skip
+    serving = OpenAIServing(chat_engine.requests, lambda: ("llava",))
+
+    async def chat() -> dict:
+        _, parsed = await serving.parse("chat", orjson.dumps(body))
+        assert not isinstance(parsed, Exception), parsed
+        return await serving.answer(await serving.submit(*parsed))
+
+    answer = chat_engine._run(chat())
+    tok = chat_engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Look: <image> what is it?"}], tokenize=False,
+                                   add_generation_prompt=True)  # fmt: skip
+    ids = tok.encode(text)
+    assert ids.count(IMAGE) == 1
+    ref = chat_engine.generate(text=text, image_data=url, sampling_params=GREEDY)
+    assert ref["output_ids"] == hf_greedy(llava[0], ids, [CAT])
+    (choice,) = answer["choices"]
+    assert choice["message"]["content"] == ref["text"]
+    assert [t["token"] for t in choice["logprobs"]["content"]] == [tok.decode([t]) for t in ref["output_ids"]]
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids) - 1 + TOKENS, NEW)
+    assert usage["prompt_tokens"] == ref["meta_info"]["prompt_tokens"]
