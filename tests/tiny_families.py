@@ -105,3 +105,49 @@ PREPROCESSOR = {
     "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
     "do_convert_rgb": True, "image_processor_type": "CLIPImageProcessor",
 }  # fmt: skip
+
+
+def give_image_token(folder: str) -> None:
+    """Make the saved tokenizer (the default model's, SmolLM2) encode `<image>` as IMAGE, as a LLaVA's
+    does: id 49151 is a plain piece there (its vocabulary's last, made by its last merge), so the piece
+    is renamed `<image>`, that merge dropped, and `<image>` made an added special token (tokenizer.json)
+    that tokenizer_config.json names."""
+    import json
+
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    bpe = tokenizer["model"]
+    (piece,) = [p for p, i in bpe["vocab"].items() if i == IMAGE]
+    del bpe["vocab"][piece]
+    bpe["vocab"]["<image>"] = IMAGE
+    bpe["merges"] = [m for m in bpe["merges"] if "".join(m.split(" ") if isinstance(m, str) else m) != piece]
+    token = {"content": "<image>", "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}  # fmt: skip
+    tokenizer["added_tokens"].append({"id": IMAGE, **token})
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer, f)
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    config.setdefault("added_tokens_decoder", {})[str(IMAGE)] = token
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def llava_greedy(hf, prompt: list[int], images: list[bytes], tokens: int = 16) -> list[int]:
+    """transformers' greedy NEW tokens for a prompt whose image tokens stand for `images` (encoded
+    files): each token expanded to the image's `tokens` slots, the pixels CLIP's processor's."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from shared.media import ClipPreprocess
+
+    ids = [t for x in prompt for t in ([IMAGE] * tokens if x == IMAGE else [x])]
+    proc = ClipPreprocess(PREPROCESSOR)
+    pixels = np.stack([proc.pixels(Image.open(io.BytesIO(b)).convert("RGB")) for b in images])
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        y = hf.generate(x, pixel_values=torch.from_numpy(pixels), attention_mask=torch.ones_like(x),
+                        max_new_tokens=NEW, do_sample=False)  # fmt: skip
+    return y[0, len(ids) :].tolist()

@@ -157,13 +157,17 @@ def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ir.Ex
 
 
 def image(path: Any) -> ir.Expr:
-    """An image in the prompt (a path, a URL or bytes). Only a multimodal model can take it; the
-    runtime refuses it for a text-only one."""
+    """An image in the prompt, as SGLang's: the model's image token goes in the text here, and every
+    later gen / select sends the image with the text (`image_data`). path: a file path (read and sent
+    as base64 by this client), bytes, a PIL image, a numpy array, a data URL or base64 (sent as they
+    are). A backend whose model takes no images refuses it when the program reaches it."""
     return ir.Image(path)
 
 
 def video(path: Any, num_frames: int) -> ir.Expr:
-    """A video in the prompt, sampled to num_frames frames (multimodal models only, like image)."""
+    """A video as num_frames images sampled evenly from it, one image token each (how a LLaVA-1.5 model,
+    which has no video tower, takes a video). path: a video file's path or bytes (decoded with PyAV:
+    `pip install av`), or its frames (a list of what `image` takes)."""
     if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
         raise ValueError(f"video: num_frames must be an integer >= 1, got {num_frames!r}")
     return ir.Video(path, num_frames)

@@ -14,6 +14,7 @@ in interpreter mode and greedy results are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from sglbus.lang import ir
 from sglbus.lang.function import _thread_count
 from sglbus.lang.interpreter import StreamExecutor
 from sglbus.lang.params import RUN_DEFAULTS, SamplingParams, run_defaults
-from sglbus.lang.state import ProgramState
+from sglbus.lang.state import ProgramState, joined_tail
 
 if TYPE_CHECKING:
     from sglbus.lang.backends.base import Backend
@@ -87,6 +88,8 @@ class _Instance:
             return type(value)(self.resolve(v) for v in value)
         if isinstance(value, dict):
             return {k: self.resolve(v) for k, v in value.items()}
+        if isinstance(value, (ir.Image, ir.Video)):  # sgl.image(path) with path an argument
+            return dataclasses.replace(value, path=self.resolve(value.path))
         return value
 
     def _run_local(self, node: Node) -> None:
@@ -132,7 +135,7 @@ def _join(parent: StreamExecutor, branches: list[StreamExecutor], mode: str) -> 
                 if name not in own:
                     parent.variables.setdefault(name, []).append(value)
     else:
-        parent.submit("".join(b.text_[b.fork_start :] for b in branches))
+        parent.submit(ir.Text(*joined_tail(branches)))
 
 
 def run_graph(instances: list[_Instance], backend: Backend, threads: int,

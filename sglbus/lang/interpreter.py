@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from sglbus.lang import ir
+from sglbus.lang import ir, media
 from sglbus.lang.params import SamplingParams
 from shared.reasoning_parser import ReasoningParser
 
@@ -30,6 +30,24 @@ _END = object()
 
 class StopTracing(Exception):
     """A traced program reached a step whose text is not known in advance."""
+
+
+class Prompt(str):
+    """The prompt of a program with images: its text, and `images`, the `image_data` items its image
+    tokens stand for, in order. Every call on the prompt sends all of them (the runtime is stateless;
+    its prefix cache makes a repeated image cheap)."""
+
+    images: tuple[str, ...]
+
+    def __new__(cls, text: str, images: tuple[str, ...] = ()) -> Prompt:
+        self = super().__new__(cls, text)
+        self.images = tuple(images)
+        return self
+
+
+def prompt_images(prompt: str) -> list[str]:
+    """The images a prompt carries (none for a plain string)."""
+    return list(getattr(prompt, "images", ()))
 
 
 class ChatPrompt(str):
@@ -64,12 +82,14 @@ class StreamExecutor:
         )
         self.chat_template = chat_template or backend.get_chat_template()
         self.text_ = ""
+        self.images_: list[str] = []  # image_data items, one per image token in text_, in order
         self.messages_: list[dict[str, Any]] = []
         self.variables: dict[str | None, Any] = {}
         self.meta_info: dict[str | None, Any] = {}
         self.role: str | None = None
         self.role_start = 0  # where the open role's content begins in text_
         self.fork_start = 0  # where this branch left its parent's text
+        self.fork_images = 0  # and its images
         self.error_: BaseException | None = None
         self.finished = False  # ended and every queued step done
         self._ended = False
@@ -143,7 +163,7 @@ class StreamExecutor:
         self.sync()
         if size > 1 and self.text_ and self.error_ is None:
             # a hint: the branches share this prefix; the runtime caches it once for all of them
-            self.backend.cache_prefix(self.text_)
+            self.backend.cache_prefix(self._with_images(self.text_))
         return [self.branch(self._queue is not None) for _ in range(size)]
 
     def branch(self, threaded: bool) -> StreamExecutor:
@@ -151,6 +171,7 @@ class StreamExecutor:
         child = StreamExecutor(self.backend, self.defaults, self.stream, self.chat_template,
                                threaded=threaded, num_api_spec_tokens=self.num_api_spec_tokens)  # fmt: skip
         child.text_, child.messages_ = self.text_, list(self.messages_)
+        child.images_, child.fork_images = list(self.images_), len(self.images_)
         child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
         child.role, child.role_start, child.fork_start = self.role, self.role_start, len(self.text_)
         child.error_ = self.error_
@@ -205,9 +226,11 @@ class StreamExecutor:
                     self._pending[name] -= 1
                 self._changed.notify_all()
 
-    def _append(self, text: str, var: str | None = None, new_var: bool = False) -> None:
+    def _append(self, text: str, var: str | None = None, new_var: bool = False,
+                images: tuple[str, ...] | list[str] = ()) -> None:  # fmt: skip
         with self._changed:
             self.text_ += text
+            self.images_ += images
             if new_var:
                 self.variables[var] = text
             elif var is not None:
@@ -216,7 +239,7 @@ class StreamExecutor:
 
     def _execute(self, step: ir.Expr) -> None:
         if isinstance(step, ir.Text):
-            self._append(step.value)
+            self._append(step.value, images=step.images)
             if self.speculation is not None:
                 self.speculation.fill(step.value)
         elif isinstance(step, ir.Gen):
@@ -228,11 +251,7 @@ class StreamExecutor:
         elif isinstance(step, ir.RoleEnd):
             self._role_end(step.role)
         elif isinstance(step, (ir.Image, ir.Video)):
-            if self.tracing:
-                raise StopTracing
-            self._spec_reset()
-            self.backend.check_media("image" if isinstance(step, ir.Image) else "video", step.path)
-            self._append(self.chat_template.image_token)
+            self._media(step)
         elif isinstance(step, ir.VarScopeBegin):
             self._scopes[step.name] = len(self.text_)
         elif isinstance(step, ir.VarScopeEnd):
@@ -243,6 +262,28 @@ class StreamExecutor:
             self._separate_reasoning(step)
         else:
             raise TypeError(f"cannot execute {type(step).__name__}")
+
+    def _media(self, step: ir.Image | ir.Video) -> None:
+        """SGLang's image / video: the model's image token in the text where each image goes, and the
+        image (a video: its sampled frames, one token each) recorded for every later call."""
+        if self.tracing:
+            raise StopTracing
+        self._spec_reset()
+        kind = "image" if isinstance(step, ir.Image) else "video"
+        self.backend.check_media(kind, step.path)
+        if isinstance(step, ir.Image):
+            images = [media.encode_image(step.path)]
+        else:
+            images = media.video_frames(step.path, step.num_frames)
+        self._append(self.image_text() * len(images), images=images)
+
+    def image_text(self) -> str:
+        """What stands for one image in the text: the backend's image token (the model's), or the chat
+        template's form of that same token where it adds spacing (vicuna_v1.1's " <image>\n", as
+        LLaVA-1.5 was trained), as SGLang writes the template's."""
+        token = self.backend.image_token()
+        templated = self.chat_template.image_token
+        return templated if templated.strip() == token else token
 
     def gen_params(self, gen: ir.Gen) -> SamplingParams:
         """The gen's own values over run()'s defaults, plus the chat template's stop strings."""
@@ -308,10 +349,14 @@ class StreamExecutor:
             self._changed.notify_all()
 
     def prompt(self) -> str:
-        """The text so far, with the turns for a backend that talks in messages (a ChatPrompt)."""
+        """The text so far, with its images (a Prompt) when it has any, or with the turns for a
+        backend that talks in messages (a ChatPrompt)."""
         if not getattr(self.backend, "is_chat_model", False):
-            return self.text_
+            return self._with_images(self.text_)
         return ChatPrompt(self.text_, tuple(self.messages_), self.role, self.text_[self.role_start :])
+
+    def _with_images(self, text: str) -> str:
+        return Prompt(text, tuple(self.images_)) if self.images_ else text
 
     def _spec_reset(self) -> None:
         if self.speculation is not None:

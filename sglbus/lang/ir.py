@@ -54,6 +54,9 @@ class AppendedExprList(ExprList):
 @dataclass(eq=False)
 class Text(Expr):
     value: str
+    # the images its image tokens stand for, in order (image_data items): only the text a joined
+    # branch hands its parent (join("concate_and_append")) has any; a program's strings have none
+    images: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -81,12 +84,12 @@ class RoleEnd(Expr):
 
 @dataclass(eq=False)
 class Image(Expr):
-    path: Any  # a file path, a URL or bytes: the runtime decides what it can read
+    path: Any  # a file path, bytes, a PIL image, a data URL or base64: sglbus/lang/media.py encodes it
 
 
 @dataclass(eq=False)
 class Video(Expr):
-    path: Any
+    path: Any  # a video file's path or bytes, or its frames
     num_frames: int
 
 

@@ -153,6 +153,12 @@ class ForkGroup:
                     if name not in own:
                         parent.variables.setdefault(name, []).append(value)
         else:
-            tail = [s.stream_executor.text_[s.stream_executor.fork_start :] for s in self.states]
-            self.parent += "".join(tail)
+            self.parent += ir.Text(*joined_tail([s.stream_executor for s in self.states]))
             self.parent.sync()
+
+
+def joined_tail(branches: list[StreamExecutor]) -> tuple[str, tuple[str, ...]]:
+    """join("concate_and_append"): the branches' new text, in order, with the images its image tokens
+    stand for (a branch's own sgl.image)."""
+    text = "".join(b.text_[b.fork_start :] for b in branches)
+    return text, tuple(im for b in branches for im in b.images_[b.fork_images :])

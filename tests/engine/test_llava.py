@@ -13,10 +13,7 @@ import os
 
 import numpy as np
 import pytest
-import torch
-from tiny_families import IMAGE, NEW, PREPROCESSOR, build_llava, save_folder
-
-from shared.media import ClipPreprocess
+from tiny_families import IMAGE, NEW, PREPROCESSOR, build_llava, give_image_token, llava_greedy, save_folder
 
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 TOKENS = 16
@@ -40,22 +37,6 @@ def llava(tmp_path_factory, model_folder):
     return hf, folder
 
 
-def hf_greedy(hf, prompt: list[int], images: list[bytes]) -> list[int]:
-    """transformers on the prompt with each image token expanded, and CLIP's pixels of each image."""
-    from PIL import Image
-
-    ids = [t for x in prompt for t in ([IMAGE] * TOKENS if x == IMAGE else [x])]
-    proc = ClipPreprocess(PREPROCESSOR)
-    pixels = torch.from_numpy(
-        np.stack([proc.pixels(Image.open(io.BytesIO(b)).convert("RGB")) for b in images])
-    )
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        y = hf.generate(x, pixel_values=pixels, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
-                        do_sample=False)  # fmt: skip
-    return y[0, len(ids) :].tolist()
-
-
 CAT, DOG = png(0, (80, 64)), png(1, (56, 90))
 ONE = [5, 6, 7, IMAGE, 8, 9]
 TWO = [5, IMAGE, 6, 7, IMAGE, 8]
@@ -65,9 +46,9 @@ TWO = [5, IMAGE, 6, 7, IMAGE, 8]
 def refs(llava):
     hf, _ = llava
     return {
-        "one": hf_greedy(hf, ONE, [CAT]),
-        "two": hf_greedy(hf, TWO, [CAT, DOG]),
-        "dog": hf_greedy(hf, ONE, [DOG]),
+        "one": llava_greedy(hf, ONE, [CAT]),
+        "two": llava_greedy(hf, TWO, [CAT, DOG]),
+        "dog": llava_greedy(hf, ONE, [DOG]),
     }
 
 
@@ -126,33 +107,14 @@ def test_two_ranks_give_the_same_tokens(llava, refs):
 
 @pytest.fixture(scope="module")
 def chat_engine(llava, tmp_path_factory):
-    """An Engine on a copy of the tiny LLaVA whose tokenizer encodes `<image>` as its image token: the
-    default model's tokenizer (SmolLM2) has id 49151 as a plain piece ("ectable", its vocabulary's last
-    one, made by its last merge), so the piece is renamed `<image>`, that merge dropped, and `<image>`
-    made an added special token (tokenizer.json) that tokenizer_config.json names, as a LLaVA's is."""
+    """An Engine on a copy of the tiny LLaVA whose tokenizer encodes `<image>` as its image token."""
     import shutil
 
     from sglbus import Engine
 
     folder = str(tmp_path_factory.mktemp("llava-chat") / "model")
     shutil.copytree(llava[1], folder)
-    with open(os.path.join(folder, "tokenizer.json")) as f:
-        tokenizer = json.load(f)
-    bpe = tokenizer["model"]
-    (piece,) = [p for p, i in bpe["vocab"].items() if i == IMAGE]
-    del bpe["vocab"][piece]
-    bpe["vocab"]["<image>"] = IMAGE
-    bpe["merges"] = [m for m in bpe["merges"] if "".join(m.split(" ") if isinstance(m, str) else m) != piece]
-    token = {"content": "<image>", "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}  # fmt: skip
-    tokenizer["added_tokens"].append({"id": IMAGE, **token})
-    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        json.dump(tokenizer, f)
-    with open(os.path.join(folder, "tokenizer_config.json")) as f:
-        config = json.load(f)
-    config.setdefault("added_tokens_decoder", {})[str(IMAGE)] = token
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f)
+    give_image_token(folder)
     with Engine(model_path=folder, dtype="float32", chunked_prefill_size=12) as e:
         yield e
         e.check_integrity()
@@ -186,7 +148,7 @@ def test_a_chat_with_an_image_equals_generate_on_its_rendered_prompt(llava, chat
     ids = tok.encode(text)
     assert ids.count(IMAGE) == 1
     ref = chat_engine.generate(text=text, image_data=url, sampling_params=GREEDY)
-    assert ref["output_ids"] == hf_greedy(llava[0], ids, [CAT])
+    assert ref["output_ids"] == llava_greedy(llava[0], ids, [CAT])
     (choice,) = answer["choices"]
     assert choice["message"]["content"] == ref["text"]
     assert [t["token"] for t in choice["logprobs"]["content"]] == [tok.decode([t]) for t in ref["output_ids"]]

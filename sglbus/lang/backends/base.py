@@ -21,12 +21,17 @@ from sglbus.lang.params import SamplingParams
 if TYPE_CHECKING:
     from sglbus.lang.speculation import Speculation
 
+DEFAULT_IMAGE_TOKEN = "<image>"  # LLaVA's (LlavaConfig's image_token_index 32000 is `<image>`)
+
 
 class Backend(ABC):
     # API speculative execution (`@sgl.function(num_api_spec_tokens=...)`) only needs `generate`: a
     # completion-style backend speculates on continued text, a chat one (sgl.OpenAI) per assistant turn.
     # A backend that sets this False has programs with num_api_spec_tokens run without speculation.
     supports_api_speculative_execution = True
+    # whether the backend sends a prompt's images (`image_data`) with it: the native backends do. A
+    # backend that does reads them from the prompt (`sglbus.lang.interpreter.prompt_images`).
+    sends_images = False
 
     @abstractmethod
     def generate(self, prompt: str, params: SamplingParams) -> tuple[str | list[str], Any]:
@@ -80,14 +85,25 @@ class Backend(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no server info")
 
     def check_media(self, kind: str, source: Any) -> None:
-        """Raise unless the model can take an image / a video."""
+        """Raise unless the model can take an image / a video (as images) through this backend: before
+        anything is read, so a text model refuses at once."""
+        if not self.sends_images:
+            raise ValueError(
+                f"{kind}: {type(self).__name__} does not send {kind}s to the model; sgl.RuntimeEndpoint "
+                "and the Engine do, for a vision-language model"
+            )
         info = self.get_model_info()
         if not info.get("has_image_understanding"):
             raise ValueError(
                 f"{kind}: the model {info.get('model_path')!r} is a text-only model "
                 f"(has_image_understanding is false); {kind}s need a multimodal model"
             )
-        raise ValueError(f"{kind}: {type(self).__name__} cannot send {kind}s to the model yet")
+
+    def image_token(self) -> str:
+        """The text of the model's image token, which `sgl.image` puts in the prompt where the image
+        goes (the runtime expands it into the image's slots). LLaVA's `<image>` unless the backend
+        knows better."""
+        return DEFAULT_IMAGE_TOKEN
 
 
 _engine_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()

@@ -27,6 +27,9 @@ _DONE = b"[DONE]"
 
 
 class BusEndpoint(NativeBackend):
+    # the bus API does not say whether the model takes images (no model info), so none are sent
+    sends_images = False
+
     def __init__(self, nats_url: str, subject_prefix: str = "sglbus", token: str | None = None,
                  user: str | None = None, password: str | None = None, creds: str | None = None,
                  chat_template_name: str | None = None, tokenizer_path: str | None = None,

@@ -38,12 +38,22 @@ class EngineBackend(NativeBackend):
             "model_path": self.engine.config.model_path or self.engine.model_folder,
             "tokenizer_path": self.engine.model_folder,
             "is_generation": True,
-            "has_image_understanding": False,
+            "has_image_understanding": self._images() is not None,
             "architectures": [self.engine.model_config.architecture],
         }
 
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
+
+    def image_token(self) -> str:
+        """The model's image token as the engine's gateway reads it (config.json's image_token_index,
+        its text from the tokenizer's added tokens)."""
+        images = self._images()
+        return images.image_token if images is not None else super().image_token()
+
+    def _images(self) -> Any:
+        """The engine's ImageInputs: None for a text model."""
+        return getattr(getattr(self.engine, "requests", None), "images", None)
 
     def flush_cache(self, empty_cache: bool = True) -> bool:
         """False while requests run. empty_cache: nothing to release (the KV pool is allocated once)."""

@@ -2,7 +2,9 @@
 and how `select` scores choices (the facts of SGLang's frontend, so both give the same results).
 
 A subclass only moves request dicts: `_request` (one response, or a list for a batch) and
-`_request_stream` (the cumulative chunks of a streamed response).
+`_request_stream` (the cumulative chunks of a streamed response). A prompt with images (`sgl.image`,
+`sgl.video`) sends them as `image_data`, a list in prompt order, with every request on that prompt:
+gens, the prefix-cache hint of a fork, and `select`'s scoring requests.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from typing import Any
 from sglbus.lang.backends.base import Backend
 from sglbus.lang.choices import ChoiceDecision, ChoiceMethod, mean_logprob, trim_prompt_token
 from sglbus.lang.global_config import global_config
+from sglbus.lang.interpreter import prompt_images
 from sglbus.lang.params import DTYPE_REGEX, DTYPE_STOPS, SamplingParams
 
 _SAMPLING = ("max_new_tokens", "min_new_tokens", "n", "stop_token_ids", "stop_regex", "temperature", "top_p",
              "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "regex",
              "json_schema")  # fmt: skip
 _LOGPROBS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+_PER_PROMPT = ("text", "sampling_params", "image_data")  # a batch body has one of these per prompt
 
 
 def generate_request(prompt: str, params: SamplingParams, stream: bool = False) -> dict[str, Any]:
@@ -39,11 +43,20 @@ def generate_request(prompt: str, params: SamplingParams, stream: bool = False) 
         stop += [s for s in DTYPE_STOPS.get(params.dtype, ()) if s not in stop]
     if stop:
         sampling["stop"] = stop
-    body: dict[str, Any] = {"text": prompt, "sampling_params": sampling}
+    body: dict[str, Any] = {"text": str(prompt), "sampling_params": sampling, **image_data(prompt)}
     body.update({k: v for k in _LOGPROBS if (v := getattr(params, k)) is not None})
     if stream:
         body["stream"] = True
     return body
+
+
+def image_data(prompt: str, copies: int | None = None) -> dict[str, Any]:
+    """`{"image_data": [...]}` for a prompt with images (one entry per prompt for a batch of `copies`
+    prompts on it), else nothing: a text prompt's request stays as it was."""
+    images = prompt_images(prompt)
+    if not images:
+        return {}
+    return {"image_data": images if copies is None else [images] * copies}
 
 
 def check_response(response: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +68,8 @@ def check_response(response: dict[str, Any]) -> dict[str, Any]:
 
 
 class NativeBackend(Backend):
+    sends_images = True
+
     @abstractmethod
     def _request(self, body: dict[str, Any]) -> Any:
         """POST /generate semantics: a response dict, or a list of them for a batch."""
@@ -80,14 +95,19 @@ class NativeBackend(Backend):
         bodies = [generate_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, b in enumerate(bodies):
-            shared = tuple(sorted((k, v) for k, v in b.items() if k not in ("text", "sampling_params")))
+            shared = tuple(sorted((k, v) for k, v in b.items() if k not in _PER_PROMPT))
             groups.setdefault((b["sampling_params"].get("n", 1), shared), []).append(i)
         out: dict[int, tuple[str | list[str], Any] | Exception] = {}
         for (n, shared), rows in groups.items():
-            sampling = [bodies[i]["sampling_params"] for i in rows]
+            batch = {
+                "text": [bodies[i]["text"] for i in rows],
+                "sampling_params": [bodies[i]["sampling_params"] for i in rows],
+                **dict(shared),
+            }
+            if any("image_data" in bodies[i] for i in rows):  # per prompt: its list, or null
+                batch["image_data"] = [bodies[i].get("image_data") for i in rows]
             try:
-                responses = self._request({"text": [prompts[i] for i in rows], "sampling_params": sampling,
-                                           **dict(shared)}) if len(rows) > 1 else None  # fmt: skip
+                responses = self._request(batch) if len(rows) > 1 else None
             except Exception:
                 responses = None
             if not isinstance(responses, list) or len(responses) != len(rows) * n:
@@ -110,20 +130,25 @@ class NativeBackend(Backend):
             pos = len(text)
 
     def cache_prefix(self, prefix: str) -> None:
-        check_response(self._request({"text": prefix, "sampling_params": {"max_new_tokens": 0}}))
+        body = {"text": str(prefix), "sampling_params": {"max_new_tokens": 0}, **image_data(prefix)}
+        check_response(self._request(body))
 
     def select(self, prompt: str, choices: list[str], method: ChoiceMethod) -> ChoiceDecision:
         # 1. the prompt alone, once: it lands in the prefix cache and tells its token count
-        head = check_response(self._request({"text": prompt, "sampling_params": {"max_new_tokens": 0}}))
+        text = str(prompt)
+        head = check_response(
+            self._request({"text": text, "sampling_params": {"max_new_tokens": 0}, **image_data(prompt)})
+        )
         start = max(head["meta_info"]["prompt_tokens"] - 2, 0)  # two tokens early: token healing
         # 2. every choice in one batch, scored from its prompt logprobs
         scored = self._request({
-            "text": [prompt + c for c in choices],
+            "text": [text + c for c in choices],
             "sampling_params": {"max_new_tokens": 0, "temperature": 0},
             "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": start,
+            **image_data(prompt, copies=len(choices)),
         })  # fmt: skip
         metas = [check_response(r)["meta_info"] for r in scored]
-        rows = [trim_prompt_token(prompt, m["input_token_logprobs"]) for m in metas]
+        rows = [trim_prompt_token(text, m["input_token_logprobs"]) for m in metas]
         unconditional = None
         if method.needs_unconditional:
             # 3. the same tokens without the prompt

@@ -46,6 +46,12 @@ class RuntimeEndpoint(NativeBackend):
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
 
+    def image_token(self) -> str:
+        """`/get_model_info`'s image_token where the server says it; ours does not (it says
+        has_image_understanding), so LLaVA's `<image>`, the text of LLaVA-1.5's image token."""
+        token = self.model_info.get("image_token")
+        return token if isinstance(token, str) and token else super().image_token()
+
     def flush_cache(self, empty_cache: bool = True) -> bool:
         """True once the server emptied its cache (it answers with plain text). empty_cache goes in the
         body, as SGLang's client sends it (SGLang's server then releases freed GPU memory; ours
