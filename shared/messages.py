@@ -43,14 +43,19 @@ def image_placeholder(vocab_size: int, image_hash: int) -> int:
 class ImageInput(msgspec.Struct, kw_only=True):
     """One image of a vision-language request: its placeholder tokens are input_ids[offset : offset +
     length] (each `image_placeholder(vocab_size, hash)`), its pixels the
-    preprocessed image before normalisation (shared/media.py `ClipPreprocess.uint8`): uint8 [H, W, 3]."""
+    preprocessed image before normalisation (shared/media.py `ClipPreprocess.uint8`): uint8
+    [tiles, H, W, 3]."""
 
     offset: int
     length: int
     hash: int
-    pixels: bytes
+    pixels: bytes  # `tiles` images of height x width (LLaVA-NeXT's base image and grid; else one)
     height: int
     width: int
+    tiles: int = 1
+    # the picture's size as sent, before the processor (LLaVA-NeXT's rows depend on it; 0: unknown)
+    image_height: int = 0
+    image_width: int = 0
 
 
 class GenerateReq(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -86,10 +86,12 @@ class ImageInputs:
         return out, images
 
     def _image(self, item: Any, field: str, offset: int) -> ImageInput:
-        pixels = self.preprocess.uint8(load_image(item, field, self.limits), field)
+        image = load_image(item, field, self.limits)
+        pixels = self.preprocess.uint8(image, field)
         height, width = pixels.shape[:2]
         return ImageInput(offset=offset, length=self.tokens_per_image, hash=image_hash(pixels),
-                          pixels=pixels.tobytes(), height=height, width=width)  # fmt: skip
+                          pixels=pixels.tobytes(), height=height, width=width,
+                          image_height=image.height, image_width=image.width)  # fmt: skip
 
     @staticmethod
     def check_logprobs(start_len: int, images: list[ImageInput]) -> None:

@@ -53,8 +53,8 @@ class Vision:
             if im.length != self.tokens_per_image:
                 return f"{where}: {im.length} placeholders; the model takes {self.tokens_per_image} per image"
             size = self.image_size
-            if (im.height, im.width) != (size, size) or len(im.pixels) != 3 * size * size:
-                return f"{where}: pixels must be {size}x{size}x3 uint8"
+            if (im.height, im.width) != (size, size) or im.tiles != 1 or len(im.pixels) != 3 * size * size:
+                return f"{where}: pixels must be one {size}x{size}x3 uint8 image"
             pad = image_placeholder(vocab_size, im.hash)
             if any(t != pad for t in ids[im.offset : im.offset + im.length]):
                 return f"{where}: its placeholders must all be {pad} (vocab_size + hash % 2**30)"
