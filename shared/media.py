@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from shared.anyres import DEFAULT_PINPOINTS, select_best_resolution
+
 # transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD: CLIPImageProcessor's defaults
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -245,13 +247,111 @@ def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
     return array[top : top + height, left : left + width]
 
 
-def preprocessor_of(folder: str, image_size: int) -> ClipPreprocess:
+def preprocessor_config(folder: str, image_size: int) -> dict[str, Any]:
     """The model folder's `preprocessor_config.json`; without one, CLIP's processor at the vision tower's
     `image_size` (shortest edge and crop), as LLaVA-1.5 ships it."""
     import json
 
     path = os.path.join(folder, "preprocessor_config.json")
     if not os.path.isfile(path):
-        return ClipPreprocess({"size": {"shortest_edge": image_size}, "crop_size": image_size})
+        return {"size": {"shortest_edge": image_size}, "crop_size": image_size}
     with open(path) as f:
-        return ClipPreprocess(json.load(f))
+        return json.load(f)
+
+
+def preprocessor_of(folder: str, image_size: int) -> ClipPreprocess:
+    """`preprocessor_config`'s CLIP processor."""
+    return ClipPreprocess(preprocessor_config(folder, image_size))
+
+
+# transformers' LlavaNextImageProcessor default `image_grid_pinpoints`: (height, width) pairs
+ANYRES_PINPOINTS = DEFAULT_PINPOINTS
+
+
+class AnyResPreprocess:
+    """LLaVA-NeXT's any-resolution preprocessing: transformers' `LlavaNextImageProcessor`, its PIL backend
+    (`LlavaNextImageProcessorPil` in transformers 5), tile for tile.
+
+    An image becomes 1 + rows*cols tiles: the whole image squashed to the base size (no aspect kept), then
+    the grid of the pinpoint resolution that fits it best, cut row by row. Each tile then goes through the
+    CLIP steps of the same config (resize, center crop), which `ClipPreprocess` already matches. `tiles` is
+    the uint8 form for the bus; the batch padding to the most tiles (`do_pad`) is left out: each image keeps
+    its own count, and transformers' extra tiles are zeros the model drops anyway."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        grid_pinpoints: Sequence[Sequence[int]] | None = None,
+        max_resized_pixels: int = 36_000_000,
+    ) -> None:
+        self.clip = ClipPreprocess(config, max_resized_pixels)
+        if grid_pinpoints is None:  # the model's config.json is what the model was trained with: preferred
+            grid_pinpoints = config.get("image_grid_pinpoints") or ANYRES_PINPOINTS
+        self.pinpoints = tuple((int(h), int(w)) for h, w in grid_pinpoints)
+        if not self.pinpoints or min(min(p) for p in self.pinpoints) <= 0:
+            raise ValueError(f"image_grid_pinpoints must be [height, width] pairs > 0, got {grid_pinpoints}")
+        size = self.clip.size  # the base tile is resized straight to this, whatever the aspect
+        self.base_size = (size["height"], size["width"]) if "height" in size else (size["shortest_edge"],) * 2
+        self.patch_size = self.clip.crop_size["height"]  # transformers: crop_size's height cuts the grid
+
+    def best_resolution(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' `select_best_resolution` (shared/anyres.py)."""
+        return select_best_resolution(height, width, self.pinpoints)
+
+    def grid_shape(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, cols) of grid tiles: `get_anyres_image_grid_shape`, which the model uses to put the tiles'
+        features back in place (its patch is the vision tower's image_size, the crop size here)."""
+        best_h, best_w = self.best_resolution(height, width)
+        return best_h // self.patch_size, best_w // self.patch_size
+
+    def num_tiles(self, height: int, width: int) -> int:
+        """`tiles`' T without the pixels: 1 + rows*cols, where a pinpoint the crop does not divide adds a
+        partial row/column (which `grid_shape`, flooring as transformers' model does, leaves out)."""
+        best_h, best_w = self.best_resolution(height, width)
+        return 1 + -(-best_h // self.patch_size) * -(-best_w // self.patch_size)
+
+    def tiles(self, image: Image.Image, field: str = "image") -> np.ndarray:
+        """uint8 [T, S, S, 3]: the base tile, then the grid's tiles row by row; `normalize` finishes them."""
+        image = to_rgb(image)  # do_convert_rgb, before anything else, as transformers
+        target = self.best_resolution(image.height, image.width)
+        height, width = _fit_within(image.height, image.width, target)
+        grid = _pad_centered(np.asarray(image.resize((width, height), resample=self.clip.resample)), target)
+        base_h, base_w = self.base_size
+        base = np.asarray(image.resize((base_w, base_h), resample=self.clip.resample))
+        patches = [base] + _divide(grid, self.patch_size)
+        return np.stack([self.clip.uint8(Image.fromarray(np.ascontiguousarray(p)), field) for p in patches])
+
+    def normalize(self, tiles: np.ndarray) -> np.ndarray:
+        """float32 [T, 3, S, S] from `tiles`' output: each tile as `ClipPreprocess.normalize`, bit for bit."""
+        return np.stack([self.clip.normalize(tile) for tile in tiles])
+
+    def pixels(self, image: Image.Image, field: str = "image") -> np.ndarray:
+        """The model's input: float32 [T, 3, S, S], LlavaNextImageProcessor's pixel_values[0][:T]."""
+        return self.normalize(self.tiles(image, field))
+
+
+def _fit_within(height: int, width: int, target: tuple[int, int]) -> tuple[int, int]:
+    """transformers' `get_patch_output_size`: scaled to fit `target`, aspect kept; the scaled edge is rounded
+    up (ceil, unlike `select_best_resolution`'s truncation) and capped at the target's."""
+    target_h, target_w = target
+    scale_w, scale_h = target_w / width, target_h / height
+    if scale_w < scale_h:
+        return min(int(np.ceil(height * scale_w)), target_h), target_w
+    return target_h, min(int(np.ceil(width * scale_h)), target_w)
+
+
+def _pad_centered(array: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """`_pad_for_patching`: black borders up to `target`; an odd extra row/column goes to the bottom/right
+    (the opposite of `_center_crop`'s padding)."""
+    (h, w), (target_h, target_w) = array.shape[:2], target
+    top, left = (target_h - h) // 2, (target_w - w) // 2
+    padded = np.zeros((target_h, target_w, *array.shape[2:]), dtype=array.dtype)
+    padded[top : top + h, left : left + w] = array
+    return padded
+
+
+def _divide(array: np.ndarray, patch: int) -> list[np.ndarray]:
+    """`divide_to_patches`: square patches row by row (the last row/column smaller if `patch` does not
+    divide the grid, as transformers; the CLIP resize and crop then bring it to size)."""
+    h, w = array.shape[:2]
+    return [array[i : i + patch, j : j + patch] for i in range(0, h, patch) for j in range(0, w, patch)]

@@ -14,10 +14,10 @@ TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-    "LlavaForConditionalGeneration",
+    "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
 )  # fmt: skip
 # vision-language models: their language model is one of the families above, read from `text_config`
-VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
 # a text_config's model_type -> the family that runs it (when it names no architectures)
 _TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

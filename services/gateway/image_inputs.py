@@ -16,7 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.generate_input import Prompt
-from shared.media import ClipPreprocess, MediaError, MediaLimits, image_hash, load_image, preprocessor_of
+from shared.anyres import DEFAULT_PINPOINTS, image_tokens
+from shared.media import (
+    AnyResPreprocess,
+    ClipPreprocess,
+    MediaError,
+    MediaLimits,
+    image_hash,
+    load_image,
+    preprocessor_config,
+    preprocessor_of,
+)
 from shared.messages import ImageInput, image_placeholder
 from shared.model_config import ModelConfig
 
@@ -30,16 +40,29 @@ _NO_VISION = (
 
 
 @dataclass(frozen=True)
+class AnyRes:
+    """LLaVA-NeXT: the rows a picture takes depend on its size (shared/anyres.py)."""
+
+    pinpoints: tuple[tuple[int, int], ...]
+    tile: int  # the vision tower's image size
+    grid: int  # its patches per side
+
+    def tokens(self, height: int, width: int) -> int:
+        return image_tokens(height, width, self.pinpoints, self.tile, self.grid)
+
+
+@dataclass(frozen=True)
 class ImageInputs:
     """What the gateway needs of a vision-language model: its image token, the slots an image takes,
     how its processor resizes and crops, and the caps on what a request may send."""
 
     image_token_id: int
-    tokens_per_image: int
+    tokens_per_image: int  # LLaVA-1.5's; LLaVA-NeXT's depend on the picture (`anyres`)
     vocab_size: int
-    preprocess: ClipPreprocess
+    preprocess: ClipPreprocess | AnyResPreprocess
     limits: MediaLimits
     image_token: str = "<image>"  # the token's text, for messages
+    anyres: AnyRes | None = None  # LLaVA-NeXT: tiles and rows by the picture's size
 
     @classmethod
     def from_folder(cls, folder: str, vocab_size: int, limits: MediaLimits) -> ImageInputs | None:
@@ -49,11 +72,16 @@ class ImageInputs:
         if vision is None:
             return None
         size, tokens = _tower_shape(vision)
-        preprocess = preprocessor_of(folder, size)
+        preprocess: ClipPreprocess | AnyResPreprocess = preprocessor_of(folder, size)
         _check_output_size(preprocess, size)
+        anyres = None
+        if vision.get("architectures", [""])[0] == "LlavaNextForConditionalGeneration":
+            pinpoints = vision.get("image_grid_pinpoints") or DEFAULT_PINPOINTS
+            preprocess = AnyResPreprocess(preprocessor_config(folder, size), pinpoints)
+            anyres = AnyRes(tuple((int(h), int(w)) for h, w in pinpoints), size, int(round(tokens**0.5)))
         token_id = vision.get("image_token_index", vision.get("image_token_id"))
         token_id = 32000 if token_id is None else int(token_id)  # LlavaConfig's default
-        return cls(token_id, tokens, vocab_size, preprocess, limits, _token_text(folder, token_id))
+        return cls(token_id, tokens, vocab_size, preprocess, limits, _token_text(folder, token_id), anyres)
 
     def expand(
         self, ids: list[int], items: Any, field: str = "image_data"
@@ -80,17 +108,19 @@ class ImageInputs:
             name = field if listed is not items else f"{field}[{k}]"
             out += ids[start:slot]
             images.append(self._image(item, name, len(out)))
-            out += [image_placeholder(self.vocab_size, images[-1].hash)] * self.tokens_per_image
+            out += [image_placeholder(self.vocab_size, images[-1].hash)] * images[-1].length
             start = slot + 1
         out += ids[start:]
         return out, images
 
     def _image(self, item: Any, field: str, offset: int) -> ImageInput:
         image = load_image(item, field, self.limits)
-        pixels = self.preprocess.uint8(image, field)
-        height, width = pixels.shape[:2]
-        return ImageInput(offset=offset, length=self.tokens_per_image, hash=image_hash(pixels),
-                          pixels=pixels.tobytes(), height=height, width=width,
+        if isinstance(self.preprocess, AnyResPreprocess):
+            tiles, length = self.preprocess.tiles(image, field), self.anyres.tokens(image.height, image.width)
+        else:
+            tiles, length = self.preprocess.uint8(image, field)[None], self.tokens_per_image
+        return ImageInput(offset=offset, length=length, hash=image_hash(tiles), pixels=tiles.tobytes(),
+                          height=tiles.shape[1], width=tiles.shape[2], tiles=tiles.shape[0],
                           image_height=image.height, image_width=image.width)  # fmt: skip
 
     @staticmethod

@@ -10,14 +10,15 @@ prefix cache (the same image and prompt before) are never computed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from services.scheduler.forward_batch import MultimodalBatch
-from shared.media import ClipPreprocess
+from shared.media import AnyResPreprocess, preprocessor_config, preprocessor_of
 from shared.messages import GenerateReq, image_placeholder
 
 if TYPE_CHECKING:
@@ -28,18 +29,34 @@ if TYPE_CHECKING:
 class ImageSpan:
     offset: int
     length: int
-    pixels: np.ndarray  # uint8 [H, W, 3], resized and cropped
+    tiles: np.ndarray  # uint8 [T, S, S, 3], resized and cropped (LLaVA-NeXT: the base image, then its grid)
+    size: tuple[int, int]  # the picture's (height, width) as sent
     rows: torch.Tensor | None = field(default=None, repr=False)  # [length, hidden] once computed
 
 
 @dataclass(frozen=True)
 class Vision:
-    """What the scheduler needs of a vision-language model: its image size, rows per image, and how
-    its processor normalises pixels."""
+    """What the scheduler needs of a vision-language model: its tiles' size, how many tiles and rows a
+    picture of a given size takes (the model's `num_tiles`, `num_image_tokens`), and how its processor
+    normalises pixels."""
 
     image_size: int
-    tokens_per_image: int
-    preprocess: ClipPreprocess
+    tiles_of: Callable[[int, int], int]
+    tokens_of: Callable[[int, int], int]
+    normalize: Callable[[np.ndarray], np.ndarray]  # uint8 [T, S, S, 3] -> float32 [T, 3, S, S]
+    sized: bool  # rows depend on the picture's size (LLaVA-NeXT): the message must carry it
+
+    @classmethod
+    def of(cls, model: Any, folder: str) -> Vision:
+        size = model.vision_tower.image_size
+        sized = hasattr(model, "pinpoints")
+        if sized:
+            pre = AnyResPreprocess(preprocessor_config(folder, size), model.pinpoints)
+            normalize = pre.normalize
+        else:
+            clip = preprocessor_of(folder, size)
+            normalize = lambda tiles: np.stack([clip.normalize(t) for t in tiles])  # noqa: E731
+        return cls(size, model.num_tiles, model.num_image_tokens, normalize, sized)
 
     def check(self, msg: GenerateReq, vocab_size: int) -> str | None:
         """Why these images cannot run (the 400's message), or None."""
@@ -50,11 +67,19 @@ class Vision:
                 return (
                     f"{where}: placeholders {im.offset}..{im.offset + im.length} overlap or pass the prompt"
                 )
-            if im.length != self.tokens_per_image:
-                return f"{where}: {im.length} placeholders; the model takes {self.tokens_per_image} per image"
+            if self.sized and min(im.image_height, im.image_width) < 1:
+                return f"{where}: this model needs the picture's size (image_height, image_width)"
+            h, w = im.image_height, im.image_width
+            tiles, tokens = (
+                (self.tiles_of(h, w), self.tokens_of(h, w)) if self.sized else (1, self.tokens_of(0, 0))
+            )
+            if im.length != tokens:
+                return f"{where}: {im.length} placeholders; the model takes {tokens} for this picture"
             size = self.image_size
-            if (im.height, im.width) != (size, size) or im.tiles != 1 or len(im.pixels) != 3 * size * size:
-                return f"{where}: pixels must be one {size}x{size}x3 uint8 image"
+            if (im.height, im.width, im.tiles) != (size, size, tiles) or len(
+                im.pixels
+            ) != tiles * 3 * size * size:
+                return f"{where}: pixels must be {tiles} uint8 tile(s) of {size}x{size}x3"
             pad = image_placeholder(vocab_size, im.hash)
             if any(t != pad for t in ids[im.offset : im.offset + im.length]):
                 return f"{where}: its placeholders must all be {pad} (vocab_size + hash % 2**30)"
@@ -64,7 +89,7 @@ class Vision:
             return f"prompt logprobs cannot cover image placeholders: logprob_start_len must be >= {end}"
         return None
 
-    def rows(self, batch: list[Req], runner) -> MultimodalBatch | None:
+    def rows(self, batch: list[Req], runner: Any) -> MultimodalBatch | None:
         """The image rows this step's extends compute (batch in the step's token order), or None."""
         todo: list[ImageSpan] = []
         wanted: list[tuple[ImageSpan, int, int, int]] = []  # (span, first row, rows, flat index)
@@ -81,9 +106,8 @@ class Vision:
         if not wanted:
             return None
         if todo:
-            pixels = np.stack([self.preprocess.normalize(s.pixels) for s in todo])
-            rows = runner.image_features(torch.from_numpy(pixels).to(runner.device))
-            for s, x in zip(todo, rows, strict=True):
+            tiles = [torch.from_numpy(self.normalize(s.tiles)).to(runner.device) for s in todo]
+            for s, x in zip(todo, runner.image_rows(tiles, [s.size for s in todo]), strict=True):
                 s.rows = x
         embeds = torch.cat([s.rows[a : a + k] for s, a, k, _ in wanted])
         flat = [p + j for _, _, k, p in wanted for j in range(k)]
@@ -96,8 +120,8 @@ class Vision:
 def spans_of(msg: GenerateReq) -> list[ImageSpan]:
     out = []
     for im in msg.images:
-        pixels = np.frombuffer(im.pixels, dtype=np.uint8).reshape(im.height, im.width, 3)
-        out.append(ImageSpan(im.offset, im.length, pixels))
+        tiles = np.frombuffer(im.pixels, dtype=np.uint8).reshape(im.tiles, im.height, im.width, 3)
+        out.append(ImageSpan(im.offset, im.length, tiles, (im.image_height, im.image_width)))
     return out
 
 

@@ -34,7 +34,6 @@ from services.scheduler.parallel.group import SINGLE_RANK, TensorParallel, free_
 from services.scheduler.parallel.shard import check_heads
 from services.scheduler.sampling.sampler import SamplingInfo, sample
 from shared.config import EngineConfig
-from shared.media import preprocessor_of
 from shared.model_config import ModelConfig
 from shared.model_files import iter_weight_slices
 
@@ -145,8 +144,7 @@ class ModelRunner:
         self.model = model.eval()
         self.vision: Vision | None = None  # a vision-language model's image handling (images.py)
         if mc.vision is not None:
-            size = model.vision_tower.image_size
-            self.vision = Vision(size, model.tokens_per_image, preprocessor_of(self.model_folder, size))
+            self.vision = Vision.of(model, self.model_folder)
         log.info("loaded %s in %.1f s", self.model_folder, time.perf_counter() - t0)
 
         if self.device.type == "cuda":
@@ -232,10 +230,10 @@ class ModelRunner:
         return self.model(fb, self.attn)
 
     @torch.inference_mode()
-    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Normalised images [N, 3, S, S] -> their rows [N, tokens_per_image, hidden] (on this rank:
-        the rows reach the other ranks with the step, ForwardBatch.mm)."""
-        return self.model.image_features(pixels)
+    def image_rows(self, tiles: list[torch.Tensor], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Pictures' normalised tiles [T, 3, S, S] and sizes as sent -> their rows [tokens, hidden] (on
+        this rank: the rows reach the other ranks with the step, ForwardBatch.mm)."""
+        return self.model.image_rows(tiles, sizes)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

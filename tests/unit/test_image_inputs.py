@@ -69,9 +69,9 @@ def images(llava) -> ImageInputs:
 
 
 def placeholder(data: bytes) -> int:
-    """The value of each slot of this image: vocab_size + the hash of its preprocessed pixels."""
+    """The value of each slot of this image: vocab_size + the hash of its preprocessed tiles (one)."""
     pixels = ClipPreprocess(PREPROCESSOR).uint8(Image.open(io.BytesIO(data)).convert("RGB"))
-    return VOCAB + image_hash(pixels) % (1 << 30)
+    return VOCAB + image_hash(pixels[None]) % (1 << 30)
 
 
 def test_the_folder_gives_the_image_token_and_its_slots(images):
@@ -84,7 +84,7 @@ def test_one_image_becomes_its_placeholders_at_its_offset(images):
     assert ids == [5, 6, *[placeholder(CAT)] * TOKENS, 7]
     assert (im.offset, im.length, im.height, im.width) == (2, TOKENS, 56, 56)
     expected = ClipPreprocess(PREPROCESSOR).uint8(Image.open(io.BytesIO(CAT)).convert("RGB"))
-    assert im.pixels == expected.tobytes() and im.hash == image_hash(expected)
+    assert im.pixels == expected.tobytes() and im.hash == image_hash(expected[None])
 
 
 def test_two_images_are_told_apart_and_the_same_image_is_the_same_whatever_its_form(images):

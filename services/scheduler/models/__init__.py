@@ -8,10 +8,13 @@ How to add one: docs/architecture.md, "Model families"."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.scheduler.models.decoder import CausalLM
 from services.scheduler.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from services.scheduler.models.llama import LlamaForCausalLM
 from services.scheduler.models.llava import llava_class
+from services.scheduler.models.llava_next import llava_next_class
 from services.scheduler.models.mistral import MistralForCausalLM, MixtralForCausalLM
 from services.scheduler.models.phi3 import Phi3ForCausalLM
 from services.scheduler.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -24,14 +27,20 @@ MODELS: dict[str, type[CausalLM]] = {
         Qwen3MoeForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
     )
 }  # fmt: skip
+# a vision-language architecture -> the wrapper that adds its vision half to its language model's family
+VISION_WRAPPERS: dict[str, Callable[[type[CausalLM]], type[CausalLM]]] = {
+    "LlavaForConditionalGeneration": llava_class,
+    "LlavaNextForConditionalGeneration": llava_next_class,
+}
 assert set(MODELS) | VISION_ARCHITECTURES == set(SUPPORTED_ARCHITECTURES)
+assert set(VISION_WRAPPERS) == VISION_ARCHITECTURES
 
 
 def model_class(config: ModelConfig | str) -> type[CausalLM]:
     """The class that runs a model: by its architecture; a vision-language model (config.vision) wraps
-    the family of its language model (models/llava.py)."""
+    the family of its language model (models/llava.py, llava_next.py)."""
     if isinstance(config, ModelConfig) and config.vision is not None:
-        return llava_class(model_class(config.raw["architectures"][0]))
+        return VISION_WRAPPERS[config.architecture](model_class(config.raw["architectures"][0]))
     architecture = config if isinstance(config, str) else config.architecture
     if architecture not in MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(MODELS)}")

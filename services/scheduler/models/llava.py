@@ -73,6 +73,26 @@ def llava_class(text_cls: type[CausalLM]) -> type[CausalLM]:
             """Preprocessed images [N, 3, S, S] -> [N, tokens_per_image, hidden] in the model's dtype."""
             return self.projector(self.vision_tower(pixel_values))
 
+        def num_tiles(self, height: int, width: int) -> int:
+            """Tiles the processor makes of a height x width picture (LLaVA-1.5: the one image)."""
+            return 1
+
+        def num_image_tokens(self, height: int, width: int) -> int:
+            """Rows a height x width picture takes in the prompt."""
+            return self.tokens_per_image
+
+        @torch.inference_mode()
+        def image_rows(self, tiles: list[torch.Tensor], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+            """Each picture's rows [num_image_tokens, hidden], from its tiles [T, 3, S, S] and its size
+            as sent: every tile of every picture through the tower at once (a step's images batched)."""
+            counts = [t.shape[0] for t in tiles]
+            features = self.projector(self.vision_tower(torch.cat(tiles)))
+            return [self.pack_rows(f, size) for f, size in zip(features.split(counts), sizes, strict=True)]
+
+        def pack_rows(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+            """A picture's tiles' rows [T, tokens, hidden] -> its prompt rows (LLaVA-1.5: its one tile's)."""
+            return features[0]
+
         def pieces(self) -> dict[str, Piece | tuple[Piece, ...]]:
             return (
                 super().pieces()
