@@ -87,15 +87,7 @@ def build_llava(seed: int = 0):
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE)
     model = LlavaForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.1)
-    return model
+    return redraw(model)
 
 
 # its processor: CLIP's, at the tower's size
@@ -151,3 +143,52 @@ def llava_greedy(hf, prompt: list[int], images: list[bytes], tokens: int = 16) -
         y = hf.generate(x, pixel_values=torch.from_numpy(pixels), attention_mask=torch.ones_like(x),
                         max_new_tokens=NEW, do_sample=False)  # fmt: skip
     return y[0, len(ids) :].tolist()
+
+
+def redraw(model):
+    """A vision-language model's weights drawn larger than its init (so the images and attention
+    matter): matrices std 0.08, norm weights about 1, the rest (biases, embeddings' vectors) std 0.1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def prefill_with_rows(runner, prompt: list[int], image_token: int, rows, chunks: list[int]):
+    """Logits of every prompt token through a ModelRunner, computed in chunks of these sizes (one
+    request, row 0), the image rows [M, hidden] put where the prompt has image_token, in order (its
+    slots hold an id past the vocabulary, as the gateway's hashed placeholders do)."""
+    import dataclasses
+
+    from services.scheduler.forward_batch import ForwardBatch, MultimodalBatch
+
+    slots = [i for i, t in enumerate(prompt) if t == image_token]
+    ids = [10**6 + 7 if t == image_token else t for t in prompt]
+    out, start = [], 0
+    for n in chunks:
+        mine = [j for j, s in enumerate(slots) if start <= s < start + n]
+        loc = runner.kv.alloc(n)
+        fb = ForwardBatch.build(ids[start : start + n], [0], [start], [n], loc, None, [], runner.device)
+        if mine:
+            mm = MultimodalBatch(rows[mine], torch.tensor([slots[j] - start for j in mine]))
+            fb = dataclasses.replace(fb, mm=mm)
+        fb.store_slots(runner.req_to_token.table)
+        out.append(runner.forward(fb).logits)
+        start += n
+    return torch.cat(out)
+
+
+def llava_folder(tmp_path_factory, tokenizer_from: str, name: str, seed: int = 1):
+    """(transformers' tiny LLaVA, its saved folder with PREPROCESSOR's preprocessor_config.json)."""
+    import json
+
+    hf = build_llava(seed=seed)
+    folder = save_folder(hf, str(tmp_path_factory.mktemp(name)), tokenizer_from)
+    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
+        json.dump(PREPROCESSOR, f)
+    return hf, folder

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import os
 
 import numpy as np
 import pytest
-from tiny_families import IMAGE, NEW, PREPROCESSOR, build_llava, give_image_token, llava_greedy, save_folder
+from tiny_families import (
+    IMAGE,
+    NEW,
+    give_image_token,
+    llava_folder,
+    llava_greedy,
+)
 
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 TOKENS = 16
@@ -30,10 +34,7 @@ def png(seed: int, size: tuple[int, int]) -> bytes:
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, model_folder):
-    hf = build_llava(seed=1)
-    folder = save_folder(hf, str(tmp_path_factory.mktemp("llava-engine")), model_folder)
-    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
-        json.dump(PREPROCESSOR, f)
+    hf, folder = llava_folder(tmp_path_factory, model_folder, "llava-engine")
     return hf, folder
 
 

@@ -12,12 +12,15 @@ token whose id the vocabulary already uses the next free id, 49152, out of the m
 from __future__ import annotations
 
 import io
-import json
-import os
 
 import numpy as np
 import pytest
-from tiny_families import IMAGE, PREPROCESSOR, build_llava, give_image_token, llava_greedy, save_folder
+from tiny_families import (
+    IMAGE,
+    give_image_token,
+    llava_folder,
+    llava_greedy,
+)
 
 import sglbus as sgl
 from sglbus.lang.backends.base import resolve_backend
@@ -41,10 +44,7 @@ CAT, DOG = png(0, (80, 64)), png(1, (56, 90))
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, model_folder):
-    hf = build_llava(seed=1)
-    folder = save_folder(hf, str(tmp_path_factory.mktemp("llava-lang")), model_folder)
-    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
-        json.dump(PREPROCESSOR, f)
+    hf, folder = llava_folder(tmp_path_factory, model_folder, "llava-lang")
     give_image_token(folder)
     return hf, folder
 

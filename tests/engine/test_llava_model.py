@@ -6,15 +6,13 @@ layout the published llava-hf folders use."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import pytest
 import torch
-from tiny_families import IMAGE, build_llava, save_folder
+from tiny_families import IMAGE, build_llava, prefill_with_rows, save_folder
 
-from services.scheduler.forward_batch import ForwardBatch, MultimodalBatch
 from services.scheduler.model_runner import ModelRunner
 from shared.config import EngineConfig
 
@@ -41,21 +39,8 @@ def runner_of(folder: str) -> ModelRunner:
 
 def prefill(runner: ModelRunner, prompt: list[int], pixels: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     """Logits of every prompt token, computed in chunks of these sizes (one request, row 0)."""
-    features = runner.model.image_features(pixels).reshape(-1, runner.model_config.hidden_size)
-    slots = [i for i, t in enumerate(prompt) if t == IMAGE]
-    ids = [10**6 + 7 if t == IMAGE else t for t in prompt]  # placeholders past the vocabulary, as hashed
-    out, start = [], 0
-    for n in chunks:
-        mine = [j for j, s in enumerate(slots) if start <= s < start + n]
-        loc = runner.kv.alloc(n)
-        fb = ForwardBatch.build(ids[start : start + n], [0], [start], [n], loc, None, [], runner.device)
-        if mine:
-            mm = MultimodalBatch(features[mine], torch.tensor([slots[j] - start for j in mine]))
-            fb = dataclasses.replace(fb, mm=mm)
-        fb.store_slots(runner.req_to_token.table)
-        out.append(runner.forward(fb).logits)
-        start += n
-    return torch.cat(out)
+    rows = runner.model.image_features(pixels).reshape(-1, runner.model_config.hidden_size)
+    return prefill_with_rows(runner, prompt, IMAGE, rows, chunks)
 
 
 def test_images_in_the_prompt_give_transformers_logits(llava):

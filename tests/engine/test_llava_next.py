@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from tiny_families import NEW, PREPROCESSOR, save_folder
+from tiny_families import NEW, PREPROCESSOR, redraw, save_folder
 
 from shared.anyres import image_tokens
 from shared.media import AnyResPreprocess
@@ -45,15 +45,7 @@ def build_next():
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=IMAGE,
                              image_grid_pinpoints=PINPOINTS)  # fmt: skip
     model = LlavaNextForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.1)
-    return model
+    return redraw(model)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import openai
 import pytest
 from conftest import ServerProcs, start_server
-from tiny_families import IMAGE, PREPROCESSOR, build_llava, give_image_token, save_folder
+from tiny_families import IMAGE, give_image_token, llava_folder
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
@@ -31,9 +29,7 @@ def png(seed: int, size: tuple[int, int]) -> str:
 
 @pytest.fixture(scope="module")
 def llava_server(tmp_path_factory, model_folder) -> Iterator[ServerProcs]:
-    folder = save_folder(build_llava(seed=2), str(tmp_path_factory.mktemp("llava-http")), model_folder)
-    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
-        json.dump(PREPROCESSOR, f)
+    _, folder = llava_folder(tmp_path_factory, model_folder, "llava-http", seed=2)
     give_image_token(folder)
     s = start_server(env={"SGLBUS_MODEL_PATH": folder, "SGLBUS_DTYPE": "float32"})
     s.model_folder = folder

@@ -8,13 +8,11 @@ unpadding seldom cuts anything), so the wide and tall pictures below lose rows o
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_families import save_folder
+from tiny_families import prefill_with_rows, redraw, save_folder
 from transformers import (
     AutoTokenizer,
     CLIPVisionConfig,
@@ -25,7 +23,6 @@ from transformers import (
     LlavaNextProcessor,
 )
 
-from services.scheduler.forward_batch import ForwardBatch, MultimodalBatch
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.models import model_class
 from shared.anyres import select_best_resolution, unpad_margins
@@ -50,15 +47,7 @@ def build_hf(seed: int = 0, **overrides) -> LlavaNextForConditionalGeneration:
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=IMAGE,
                              image_grid_pinpoints=PINPOINTS, **overrides)  # fmt: skip
     model = LlavaNextForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.1)
-            else:  # biases, the class embedding, image_newline
-                p.normal_(0.0, 0.1)
-    return model
+    return redraw(model)
 
 
 @pytest.fixture(scope="module")
@@ -160,22 +149,7 @@ def runner_of(folder: str) -> ModelRunner:
 
 
 def prefill(runner: ModelRunner, prompt: list[int], rows: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """Logits of every prompt token, computed in chunks of these sizes (one request, row 0); the
-    image rows go where the prompt has IMAGE, in order (as tests/engine/test_llava_model.py does)."""
-    slots = [i for i, t in enumerate(prompt) if t == IMAGE]
-    ids = [10**6 + 7 if t == IMAGE else t for t in prompt]  # placeholders past the vocabulary, as hashed
-    out, start = [], 0
-    for n in chunks:
-        mine = [j for j, s in enumerate(slots) if start <= s < start + n]
-        loc = runner.kv.alloc(n)
-        fb = ForwardBatch.build(ids[start : start + n], [0], [start], [n], loc, None, [], runner.device)
-        if mine:
-            mm = MultimodalBatch(rows[mine], torch.tensor([slots[j] - start for j in mine]))
-            fb = dataclasses.replace(fb, mm=mm)
-        fb.store_slots(runner.req_to_token.table)
-        out.append(runner.forward(fb).logits)
-        start += n
-    return torch.cat(out)
+    return prefill_with_rows(runner, prompt, IMAGE, rows, chunks)
 
 
 def test_two_pictures_in_the_prompt_give_transformers_logits(hf, folder, processor):
