@@ -73,3 +73,23 @@ def test_generate_with_two_images_and_a_bad_one(llava_server):
     assert url.status_code == 400 and "not fetched" in url.text
     assert s.http.post("/generate", json=two).json()["output_ids"] == first.json()["output_ids"]
     assert s.http.get("/get_model_info").json()["has_image_understanding"] is True
+
+
+def test_the_frontend_sends_images_to_the_server(llava_server):
+    """sgl.image against a served LLaVA (RuntimeEndpoint): the program's text equals /generate's on
+    the same prompt and image."""
+    import sglbus as sgl
+
+    s, picture = llava_server, png(4, (64, 48))
+
+    @sgl.function
+    def describe(state, image):
+        state += "Describe " + sgl.image(image) + " briefly:"
+        state += sgl.gen("d", max_tokens=8, temperature=0)
+
+    state = describe.run(image=base64.b64decode(picture), backend=sgl.RuntimeEndpoint(s.url))
+    body = {"text": "Describe <image> briefly:", "image_data": picture,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8}}  # fmt: skip
+    ref = s.http.post("/generate", json=body)
+    assert ref.status_code == 200, ref.text
+    assert state["d"] == ref.json()["text"]
