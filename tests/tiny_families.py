@@ -192,3 +192,12 @@ def llava_folder(tmp_path_factory, tokenizer_from: str, name: str, seed: int = 1
     with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
         json.dump(PREPROCESSOR, f)
     return hf, folder
+
+
+# llava-hf/llava-1.5-7b-hf's preprocessor_config.json (less the processor's class names): CLIP at 336
+LLAVA_15_PREPROCESSOR = {
+    "crop_size": {"height": 336, "width": 336}, "do_center_crop": True, "do_convert_rgb": True,
+    "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "resample": 3, "rescale_factor": 0.00392156862745098, "size": {"shortest_edge": 336},
+}  # fmt: skip

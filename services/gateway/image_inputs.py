@@ -71,14 +71,14 @@ class ImageInputs:
         vision = ModelConfig.from_folder(folder).vision
         if vision is None:
             return None
-        size, tokens = _tower_shape(vision)
+        size, tokens, grid = _tower_shape(vision)
         preprocess: ClipPreprocess | AnyResPreprocess = preprocessor_of(folder, size)
         _check_output_size(preprocess, size)
         anyres = None
         if vision.get("architectures", [""])[0] == "LlavaNextForConditionalGeneration":
             pinpoints = vision.get("image_grid_pinpoints") or DEFAULT_PINPOINTS
             preprocess = AnyResPreprocess(preprocessor_config(folder, size), pinpoints)
-            anyres = AnyRes(tuple((int(h), int(w)) for h, w in pinpoints), size, int(round(tokens**0.5)))
+            anyres = AnyRes(tuple((int(h), int(w)) for h, w in pinpoints), size, grid)
         token_id = vision.get("image_token_index", vision.get("image_token_id"))
         token_id = 32000 if token_id is None else int(token_id)  # LlavaConfig's default
         return cls(token_id, tokens, vocab_size, preprocess, limits, _token_text(folder, token_id), anyres)
@@ -178,16 +178,16 @@ def _check_bus_size(inputs: list[ImageInput], prompt_len: int, n: int, max_paylo
         )
 
 
-def _tower_shape(vision: dict[str, Any]) -> tuple[int, int]:
-    """(image_size, rows per image) of the vision tower: a patch grid, with the CLS token's row too
-    under the "full" select strategy."""
+def _tower_shape(vision: dict[str, Any]) -> tuple[int, int, int]:
+    """(image_size, rows per image, patches per side) of the vision tower: a patch grid, with the CLS
+    token's row too under the "full" select strategy."""
     tower = {**_CLIP, **{k: v for k, v in (vision.get("vision_config") or {}).items() if v is not None}}
     size, patch = int(tower["image_size"]), int(tower["patch_size"])
     strategy = vision.get("vision_feature_select_strategy", "default")
     if strategy not in _STRATEGIES:
         allowed = ", ".join(_STRATEGIES)
         raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported; allowed: {allowed}")
-    return size, (size // patch) ** 2 + (strategy == "full")
+    return size, (size // patch) ** 2 + (strategy == "full"), size // patch
 
 
 def _check_output_size(preprocess: ClipPreprocess, size: int) -> None:

@@ -7,26 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from PIL import Image
+from tiny_families import LLAVA_15_PREPROCESSOR
 
 from shared.media import ANYRES_PINPOINTS, AnyResPreprocess
 
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-# llava-hf/llava-v1.6-mistral-7b-hf's preprocessor_config.json (less the processor's class names)
-NEXT = {
-    "crop_size": {"height": 336, "width": 336},
-    "do_center_crop": True,
-    "do_convert_rgb": True,
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_grid_pinpoints": [list(p) for p in ANYRES_PINPOINTS],
-    "image_mean": CLIP_MEAN,
-    "image_std": CLIP_STD,
-    "resample": 3,
-    "rescale_factor": 0.00392156862745098,
-    "size": {"shortest_edge": 336},
-}
+# llava-hf/llava-v1.6-mistral-7b-hf's preprocessor_config.json: LLaVA-1.5's with its pinpoints
+NEXT = {**LLAVA_15_PREPROCESSOR, "image_grid_pinpoints": [list(p) for p in ANYRES_PINPOINTS]}
 SMALL = {**NEXT, "crop_size": {"height": 28, "width": 28}, "size": {"shortest_edge": 28}}
 SMALL_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
 # the per-tile CLIP resize and crop doing work: tiles cut at 28, resized to 32, cropped back to 28

@@ -15,25 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from tiny_families import LLAVA_15_PREPROCESSOR
 
 from shared.media import ClipPreprocess, MediaError, MediaLimits, image_hash, load_image, load_images
 
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-# llava-hf/llava-1.5-7b-hf's preprocessor_config.json (less the processor's class names)
-LLAVA = {
-    "crop_size": {"height": 336, "width": 336},
-    "do_center_crop": True,
-    "do_convert_rgb": True,
-    "do_normalize": True,
-    "do_rescale": True,
-    "do_resize": True,
-    "image_mean": CLIP_MEAN,
-    "image_std": CLIP_STD,
-    "resample": 3,
-    "rescale_factor": 0.00392156862745098,
-    "size": {"shortest_edge": 336},
-}
+LLAVA = LLAVA_15_PREPROCESSOR
 SMALL = {"size": {"shortest_edge": 32}, "crop_size": {"height": 28, "width": 28}}
 OPENAI_INTS = {"size": 336, "crop_size": 336}  # openai/clip-vit-large-patch14-336 writes plain ints
 PADDED = {"size": {"height": 20, "width": 23}, "crop_size": {"height": 27, "width": 25}}  # crop > image
